@@ -1,0 +1,101 @@
+"""The attention function registered as ``"paged"``.
+
+It reads the step's metadata (the ``paged_metadata`` forward kwarg) and picks a path:
+decode (every request feeds one token: the paged decode kernel reads K/V through the block table
+and appends the new token in place) or varlen (any prefill: the cache has already packed each
+request's K/V, the varlen kernel attends over them). Without metadata, e.g. a plain
+``model(input_ids, labels=...)`` forward, it computes exactly what ``sdpa`` would.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+from .batch import StepMetadata
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention signature. query: [1, H, N, D]; key/value: [1, H_kv, K, D] as returned
+    by ``PagedAttentionCache.update``. Returns ([1, N, H, D], None)."""
+    meta: StepMetadata | None = kwargs.get("paged_metadata")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if meta is None:
+        return plain_attention(module, query, key, value, attention_mask, dropout, scale, softcap, s_aux, **kwargs)
+
+    window = (sliding_window - 1, sliding_window - 1) if sliding_window else (-1, -1)
+    options = dict(softmax_scale=scale, causal=True, window_size=window, softcap=softcap or 0.0, sinks=s_aux)
+    q = query[0].transpose(0, 1)  # [N, H, D]
+    if meta.is_decode:
+        layer = meta.cache.layers[module.layer_idx]
+        out = meta.backend.paged_decode_attention(
+            q.unsqueeze(1),  # [B, 1, H, D]: one token per request
+            layer.keys,
+            layer.values,
+            key[0].transpose(0, 1).unsqueeze(1),  # [B, 1, H_kv, D], appended in place
+            value[0].transpose(0, 1).unsqueeze(1),
+            meta.cache_seqlens,
+            meta.block_table,
+            **options,
+        ).squeeze(1)  # [N, H, D]
+    else:
+        out = meta.backend.varlen_attention(
+            q,
+            key[0].transpose(0, 1),  # [K, H_kv, D]
+            value[0].transpose(0, 1),
+            meta.cu_seq_lens_q,
+            meta.cu_seq_lens_k,
+            meta.max_length_q,
+            meta.max_length_k,
+            **options,
+        )
+    return out.unsqueeze(0), None  # [1, N, H, D]
+
+
+def plain_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    scale: float,
+    softcap: float | None,
+    s_aux: torch.Tensor | None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Outside a paged step: sdpa, or its explicit equivalent where sdpa lacks softcap or sinks."""
+    if softcap is None and s_aux is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scale, **kwargs)
+    groups = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)  # [B, H, K, D]
+    scores = torch.matmul(query, key.transpose(2, 3)).float() * scale  # [B, H, Q, K]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if attention_mask is None:
+        q_len, k_len = scores.shape[-2:]
+        attention_mask = torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device).tril(k_len - q_len)
+    if attention_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attention_mask, float("-inf"))
+    else:
+        scores = scores + attention_mask
+    if s_aux is not None:
+        sinks = s_aux.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        scores = torch.cat([scores, sinks], dim=-1)  # [B, H, Q, K + 1]
+    weights = torch.softmax(scores, dim=-1)
+    if s_aux is not None:
+        weights = weights[..., :-1]
+    weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training).to(value.dtype)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), None  # [B, Q, H, D]

@@ -1,0 +1,152 @@
+"""PagedAttentionCache: K/V stored in fixed-size blocks, addressed through a block table.
+
+Each layer owns two page tensors ``[num_blocks, block_size, num_kv_heads, head_dim]``, created
+lazily at the layer's first write so that models whose layers differ in head count or head dim get
+pages of the right shape per layer. One block id means the same block in every layer, so a single
+allocator and a single block table serve the whole model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from transformers import Cache, PreTrainedConfig
+from transformers.cache_utils import CacheLayerMixin
+
+from .batch import StepMetadata
+
+
+class PagedLayer(CacheLayerMixin):
+    """One layer's pages. ``keys``/``values``: [num_blocks, block_size, num_kv_heads, head_dim]."""
+
+    def __init__(self, num_blocks: int, block_size: int, is_sliding: bool = False) -> None:
+        super().__init__()
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.is_sliding = is_sliding
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        # key_states: [batch, num_kv_heads, seq, head_dim] as transformers' attention modules give them
+        _, num_kv_heads, _, head_dim = key_states.shape
+        v_head_dim = value_states.shape[-1]
+        shape = (self.num_blocks, self.block_size, num_kv_heads)
+        self.keys = torch.zeros(*shape, head_dim, dtype=key_states.dtype, device=key_states.device)
+        self.values = torch.zeros(*shape, v_head_dim, dtype=value_states.dtype, device=value_states.device)
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def write(self, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+        """key/value: [N, num_kv_heads, head_dim] written at flat slots [N]."""
+        self.keys.view(-1, *self.keys.shape[2:]).index_copy_(0, slots, key)  # [num_slots, H_kv, D]
+        self.values.view(-1, *self.values.shape[2:]).index_copy_(0, slots, value)
+
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K/V at flat ``slots`` [K], packed: two [K, num_kv_heads, head_dim] tensors."""
+        keys = self.keys.view(-1, *self.keys.shape[2:]).index_select(0, slots)
+        values = self.values.view(-1, *self.values.shape[2:]).index_select(0, slots)
+        return keys, values
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        raise RuntimeError("PagedLayer is written through PagedAttentionCache.update")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # kv_length 0 tells the "paged" mask function that the kernels mask by cu_seqlens instead
+        # (see integration.paged_mask): no [q, kv] mask is ever built for a packed step.
+        return 0, 0
+
+    def get_seq_length(self) -> int:
+        return 0  # lengths are per request, in the step metadata
+
+    def get_max_length(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+class PagedAttentionCache(Cache):
+    """A ``transformers.Cache`` whose layers are paged.
+
+    The engine opens a step with ``with cache.step(metadata): model(...)``; inside it, ``update``
+    writes the step's new K/V through ``metadata.slot_mapping`` and, on the varlen path, returns each
+    request's full K/V packed along one axis for the kernel. On the decode path it returns the new
+    K/V untouched: the paged decode kernel appends them in place.
+    """
+
+    def __init__(self, config: PreTrainedConfig, num_blocks: int, block_size: int) -> None:
+        text_config = config.get_text_config()
+        num_layers = text_config.num_hidden_layers
+        layer_types = getattr(text_config, "layer_types", None) or ["full_attention"] * num_layers
+        layers = [
+            PagedLayer(num_blocks, block_size, is_sliding=layer_types[i] != "full_attention")
+            for i in range(num_layers)
+        ]
+        super().__init__(layers=layers)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.metadata: StepMetadata | None = None
+
+    @contextlib.contextmanager
+    def step(self, metadata: StepMetadata) -> Iterator[StepMetadata]:
+        metadata.cache = self
+        self.metadata = metadata
+        try:
+            yield metadata
+        finally:
+            self.metadata = None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """key_states/value_states: [1, num_kv_heads, N, head_dim] -> the K/V the kernel reads."""
+        meta = self.metadata
+        if meta is None:
+            raise RuntimeError(
+                "PagedAttentionCache.update was called outside an engine step; run generation through "
+                "model.generate or ContinuousBatchingEngine, or call the model without this cache"
+            )
+        layer = self.layers[layer_idx]
+        if not layer.is_initialized:
+            layer.lazy_initialization(key_states, value_states)
+        if meta.is_decode:
+            return key_states, value_states
+        assert key_states.shape[0] == 1, f"paged steps pack every request in batch row 0, got {key_states.shape}"
+        layer.write(key_states[0].transpose(0, 1), value_states[0].transpose(0, 1), meta.slot_mapping)
+        keys, values = layer.gather(meta.gather_slots)  # [K, H_kv, D] each
+        return keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)  # [1, H_kv, K, D]
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block ``dst`` becomes a copy of block ``src`` in every layer."""
+        if not pairs:
+            return
+        for layer in self.layers:
+            if layer.is_initialized:
+                src = torch.tensor([s for s, _ in pairs], device=layer.keys.device)
+                dst = torch.tensor([d for _, d in pairs], device=layer.keys.device)
+                layer.keys[dst] = layer.keys[src]
+                layer.values[dst] = layer.values[src]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return 0, 0
+
+
+def bytes_per_block(config: PreTrainedConfig, block_size: int, dtype: torch.dtype) -> int:
+    """K and V bytes of one block across all layers (from the config: pages are made lazily)."""
+    text = config.get_text_config()
+    num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * text.num_hidden_layers * block_size * num_kv_heads * head_dim * element
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 4 << 30  # no /proc (macOS, Windows): assume 4 GiB rather than fail

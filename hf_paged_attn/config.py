@@ -1,0 +1,71 @@
+"""PagedConfig: every knob of the paged cache and the continuous-batching engine, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from .kernels import KERNELS
+
+
+@dataclass(slots=True)
+class PagedConfig:
+    """Configuration of the paged KV cache and the scheduler.
+
+    Attributes:
+        block_size: tokens per KV block (page). flash-attn 2 needs a multiple of 256.
+        num_blocks: blocks per layer. ``None`` sizes the cache: ``model.generate`` sizes it to fit its
+            batch exactly; the engine otherwise takes ``memory_fraction`` of the free memory.
+        max_num_seqs: most requests running at once.
+        max_batch_tokens: token budget of one step (decode tokens plus prefill chunks).
+        kernel: ``"auto"`` (flash on CUDA when importable, else torch), ``"torch"``, ``"flash"``, ``"triton"``.
+        enable_prefix_caching: share the KV blocks of identical prompt prefixes between requests.
+        memory_fraction: share of free device memory the cache may take when ``num_blocks`` is None.
+        progress_bar: show a tqdm bar; ``None`` shows it only in an interactive terminal and only
+            for more than a handful of requests.
+        seed: seed of the sampling generator; ``None`` draws it from torch's global RNG, so
+            ``torch.manual_seed`` makes sampled output reproducible as with ``generate``.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    max_num_seqs: int = 64
+    max_batch_tokens: int = 512
+    kernel: str = "auto"
+    enable_prefix_caching: bool = False
+    memory_fraction: float = 0.5
+    progress_bar: bool | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_batch_tokens"):
+            _require_positive_int(name, getattr(self, name))
+        if self.num_blocks is not None:
+            _require_positive_int("num_blocks", self.num_blocks)
+        if self.kernel not in KERNELS:
+            raise ValueError(f"PagedConfig.kernel must be one of {KERNELS}, got {self.kernel!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(
+                f"PagedConfig.enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}"
+            )
+        if isinstance(self.memory_fraction, bool) or not isinstance(self.memory_fraction, (int, float)) or not (
+            0.0 < self.memory_fraction <= 1.0
+        ):
+            raise ValueError(f"PagedConfig.memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
+        if self.progress_bar is not None and not isinstance(self.progress_bar, bool):
+            raise ValueError(f"PagedConfig.progress_bar must be None or a bool, got {self.progress_bar!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"PagedConfig.seed must be None or an int, got {self.seed!r}")
+
+    def replace(self, **changes: object) -> PagedConfig:
+        """A copy with ``changes`` applied (and validated)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        unknown = set(changes) - set(values)
+        if unknown:
+            raise ValueError(f"PagedConfig has no field(s) {sorted(unknown)}")
+        values.update(changes)
+        return PagedConfig(**values)
+
+
+def _require_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"PagedConfig.{name} must be a positive int, got {value!r}")

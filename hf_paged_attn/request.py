@@ -1,0 +1,100 @@
+"""Requests: one sequence's state from queueing to its final output."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What a request has produced so far; ``finished`` is set on its last output."""
+
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    new_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # "length", "eos", "stop", "abort", "error"
+    error: str | None = None
+    num_cached_tokens: int = 0
+    scores: list[Any] | None = None  # per new token: processed scores [vocab] (generate's `scores`)
+    logits: list[Any] | None = None  # per new token: raw logits [vocab] (generate's `logits`)
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """Mutable state of one sequence. The scheduler owns ``block_ids`` and ``num_computed_tokens``.
+
+    ``num_computed_tokens`` counts the tokens whose K/V sit in the cache; the tokens from there to
+    ``len(all_ids)`` are what the next steps must feed the model. After preemption it drops to 0 and
+    the request is recomputed from its prompt *and* the tokens it already generated.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: Any  # sampling.SamplingParams, kept opaque so the scheduler stays torch-free
+    arrival: int
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    num_children: int = 0  # extra sequences to fork after the prompt's first sample
+    new_ids: list[int] = field(default_factory=list)
+    scores: list[Any] | None = None
+    logits: list[Any] | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens still to be fed to the model before the next sample."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def max_total_tokens(self) -> int:
+        return len(self.prompt_ids) + self.max_new_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        self.error = error
+
+    def take_output(self) -> RequestOutput:
+        """The output for this step; clears the step's new ids."""
+        out = RequestOutput(
+            request_id=self.request_id,
+            prompt_ids=self.prompt_ids,
+            output_ids=list(self.output_ids),
+            new_ids=self.new_ids,
+            finished=self.finished,
+            finish_reason=self.finish_reason,
+            error=self.error,
+            num_cached_tokens=self.num_cached_tokens,
+            scores=self.scores,
+            logits=self.logits,
+        )
+        self.new_ids = []
+        return out
