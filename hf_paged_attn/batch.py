@@ -53,6 +53,13 @@ def cumulative(lengths: list[int], device: torch.device) -> torch.Tensor:
     return out.to(device)
 
 
+def varlen_lengths(
+    q_lens: list[int], k_lens: list[int], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """``cu_seq_lens_q``, ``cu_seq_lens_k``, ``max_length_q``, ``max_length_k`` of a packed batch."""
+    return cumulative(q_lens, device), cumulative(k_lens, device), max(q_lens), max(k_lens)
+
+
 def slots_of(block_table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
     """Flat cache slot of token ``positions[i]`` of request ``rows[i]`` (vectorised)."""
     blocks = block_table[rows, positions // block_size].long()
@@ -99,13 +106,14 @@ def build_step(
         gather_slots = slots_of(table, rows_k, key_pos, block_size).to(device)
 
     logits_indices = (cu_q[1:].long() - 1)[torch.tensor(sampled, dtype=torch.bool)]
+    cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k = varlen_lengths(q_lens, k_lens, device)
     return StepMetadata(
         input_ids=torch.tensor([token_ids], device=device),
         position_ids=positions.unsqueeze(0).to(device),
-        cu_seq_lens_q=cu_q.to(device),
-        cu_seq_lens_k=cumulative(k_lens, device),
-        max_length_q=max(q_lens),
-        max_length_k=max(k_lens),
+        cu_seq_lens_q=cu_seq_lens_q,
+        cu_seq_lens_k=cu_seq_lens_k,
+        max_length_q=max_length_q,
+        max_length_k=max_length_k,
         slot_mapping=slot_mapping.to(device),
         gather_slots=gather_slots,
         block_table=table.to(device),

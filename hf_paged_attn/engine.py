@@ -200,6 +200,7 @@ class ContinuousBatchingEngine:
                 outputs.append(self._emit(request))
         return outputs
 
+    @torch.inference_mode()
     def _run(self, plan: SchedulerOutput) -> list[RequestOutput]:
         self.cache.copy_blocks(plan.block_copies)
         meta = build_step(plan.scheduled, self.config.block_size, self.device)
@@ -227,7 +228,7 @@ class ContinuousBatchingEngine:
 
     def _forward(self, meta) -> torch.Tensor:
         """Logits of the sampled rows only: [num_sampled, vocab] float32."""
-        with torch.inference_mode(), self.cache.step(meta):
+        with self.cache.step(meta):
             out = self.model(
                 input_ids=meta.input_ids,
                 position_ids=meta.position_ids,

@@ -1,0 +1,67 @@
+"""Helpers for parity checks against transformers' own attention (used by tests and scripts).
+
+Greedy parity means equal tokens; a difference is accepted only where the reference's top-2
+logits at the first differing position are within ``tie_tolerance`` (a numerical near-tie, as
+vLLM's ``check_logprobs_close`` allows). The gap is always computed, never assumed.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedConfig
+
+
+def save_random_model(config: PreTrainedConfig, directory: str | Path | None = None, seed: int = 0) -> str:
+    """Build a random-weight model from ``config``, ``save_pretrained`` it, return the directory."""
+    directory = str(directory or tempfile.mkdtemp(prefix="hf_paged_attn_"))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(directory)
+    return directory
+
+
+def load_pair(directory: str, reference: str = "sdpa", dtype: torch.dtype = torch.float32):
+    """(reference model, paged model) loaded from the same weights with ``from_pretrained``."""
+    ref = AutoModelForCausalLM.from_pretrained(directory, attn_implementation=reference, dtype=dtype).eval()
+    paged = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="paged", dtype=dtype).eval()
+    return ref, paged
+
+
+def top2_gap(model: torch.nn.Module, prefix: list[int]) -> float:
+    """Gap between the two largest next-token logits of ``model`` after ``prefix``."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prefix], device=model.device)).logits[0, -1].float()
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
+
+
+def compare_greedy(
+    reference_model: torch.nn.Module,
+    prompts: list[list[int]],
+    expected: list[list[int]],
+    actual: list[list[int]],
+    tie_tolerance: float = 1e-4,
+) -> list[str]:
+    """Problems found comparing generated token lists; empty when they agree (up to near-ties)."""
+    problems = []
+    for i, (prompt, exp, act) in enumerate(zip(prompts, expected, actual)):
+        if exp == act:
+            continue
+        pos = next((j for j, (a, b) in enumerate(zip(exp, act)) if a != b), min(len(exp), len(act)))
+        if pos == min(len(exp), len(act)):
+            problems.append(f"row {i}: lengths differ ({len(exp)} expected, {len(act)} got)")
+            continue
+        gap = top2_gap(reference_model, prompt + exp[:pos])
+        if gap > tie_tolerance:
+            problems.append(
+                f"row {i}: first difference at new token {pos}: expected {exp[pos]}, got {act[pos]} "
+                f"(reference top-2 gap {gap:.3g} > {tie_tolerance})"
+            )
+    return problems
+
+
+def unpadded_rows(sequences: torch.Tensor, input_len: int) -> list[list[int]]:
+    return [row[input_len:].tolist() for row in sequences]

@@ -1,0 +1,72 @@
+"""Shared tiny models: random weights, saved with save_pretrained and loaded back with
+from_pretrained(..., attn_implementation=...), so the real loading code runs (no hub access here)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+import hf_paged_attn  # noqa: F401  (registers "paged")
+from hf_paged_attn.testing import load_pair, save_random_model
+
+VOCAB = 256
+
+
+def tiny_llama_config(**overrides) -> LlamaConfig:
+    values = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.1,  # larger weights than default so greedy tokens vary
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    values.update(overrides)
+    return LlamaConfig(**values)
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory) -> str:
+    return save_random_model(tiny_llama_config(), tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def llama_pair(llama_dir):
+    return load_pair(llama_dir)
+
+
+def ragged_prompts(num: int, low: int, high: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high + 1, (num,), generator=gen).tolist()
+    return [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+def left_padded(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
+    return ids, mask
+
+
+def right_padded(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, : len(p)] = torch.tensor(p)
+        mask[row, : len(p)] = 1
+    return ids, mask
+
+
+def reference_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt) :].tolist()
