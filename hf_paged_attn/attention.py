@@ -78,7 +78,9 @@ def plain_attention(
 ) -> tuple[torch.Tensor, None]:
     """Outside a paged step: sdpa, or its explicit equivalent where sdpa lacks softcap or sinks."""
     if softcap is None and s_aux is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scale, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scale, **kwargs
+        )
     groups = query.shape[1] // key.shape[1]
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)  # [B, H, K, D]
     scores = torch.matmul(query, key.transpose(2, 3)).float() * scale  # [B, H, Q, K]

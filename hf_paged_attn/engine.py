@@ -17,7 +17,7 @@ from .blocks import BlockAllocator
 from .cache import PagedAttentionCache, bytes_per_block, free_memory_bytes
 from .config import PagedConfig
 from .kernels import load_backend
-from .request import Request, RequestOutput, Status
+from .request import Request, RequestOutput
 from .sampling import make_sampling_params, sample_tokens
 from .scheduler import Scheduler, SchedulerOutput, blocks_for
 
