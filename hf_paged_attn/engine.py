@@ -33,6 +33,9 @@ class EngineStats:
     num_steps: int
     num_generated_tokens: int
     tokens_per_second: float
+    busy_seconds: float  # inside step()
+    forward_seconds: float  # inside the model forward (the rest is the engine's own overhead)
+    kv_waste_at_peak: float  # reserved but unfilled slots / reserved slots, when most blocks were used
 
     @property
     def cache_usage(self) -> float:
@@ -84,6 +87,8 @@ class ContinuousBatchingEngine:
         self._num_generated = 0
         self._peak_used = 0
         self._busy_seconds = 0.0
+        self._forward_seconds = 0.0
+        self._waste_at_peak = 0.0
         self.max_position_embeddings = getattr(model.config.get_text_config(), "max_position_embeddings", None)
 
     # ----------------------------------------------------------------------------- requests in
@@ -180,9 +185,16 @@ class ContinuousBatchingEngine:
         plan = self.scheduler.schedule()
         if plan.scheduled:
             outputs += self._run(plan)
-        self._peak_used = max(self._peak_used, self.allocator.num_used_blocks)
+        self._track_peak()
         self._busy_seconds += time.perf_counter() - start
         return outputs
+
+    def _track_peak(self) -> None:
+        used = self.allocator.num_used_blocks
+        if used > self._peak_used:
+            self._peak_used = used
+            filled = sum(r.num_computed_tokens for r in self.scheduler.running)
+            self._waste_at_peak = 1.0 - filled / (used * self.config.block_size)
 
     def _drain_incoming(self) -> list[RequestOutput]:
         """Move new requests to the scheduler and carry out aborts; returns the aborted outputs."""
@@ -205,11 +217,13 @@ class ContinuousBatchingEngine:
         self.cache.copy_blocks(plan.block_copies)
         meta = build_step(plan.scheduled, self.config.block_size, self.device)
         meta.backend = self.backend
+        forward_start = time.perf_counter()
         try:
             logits = self._forward(meta)
         except Exception as exc:  # one failing step must not take the engine down
             return self._fail([s.request for s in plan.scheduled], exc)
         self._num_steps += 1
+        self._forward_seconds += time.perf_counter() - forward_start
         sampled: list[Request] = []
         for s in plan.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
@@ -358,4 +372,7 @@ class ContinuousBatchingEngine:
             num_steps=self._num_steps,
             num_generated_tokens=self._num_generated,
             tokens_per_second=self._num_generated / self._busy_seconds if self._busy_seconds else 0.0,
+            busy_seconds=self._busy_seconds,
+            forward_seconds=self._forward_seconds,
+            kv_waste_at_peak=self._waste_at_peak,
         )

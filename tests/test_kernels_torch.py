@@ -1,0 +1,228 @@
+"""The pure-torch backend against the float64 reference (hf_paged_attn.kernels.reference)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hf_paged_attn.kernels import reference, torch_backend
+
+TOL = {"atol": 1e-5, "rtol": 1e-5}
+
+
+@st.composite
+def attn_options(draw: st.DrawFn) -> dict:
+    """Head layout and attention options shared by both entry points."""
+    causal = draw(st.booleans())
+    w = draw(st.integers(1, 16))
+    window = draw(st.sampled_from([(-1, -1), (w - 1, w - 1), (w - 1, 0)]))
+    return {
+        "num_kv_heads": draw(st.sampled_from([1, 2])),
+        "group": draw(st.sampled_from([1, 2, 4, 8])),
+        "head_dim": draw(st.sampled_from([64, 80, 128])),
+        "causal": causal,
+        "window_size": window,
+        "softcap": draw(st.sampled_from([0.0, 0.0, 5.0, 30.0])),
+        "sinks": draw(st.booleans()),
+        "seed": draw(st.integers(0, 2**31 - 1)),
+    }
+
+
+@st.composite
+def varlen_shapes(draw: st.DrawFn) -> list[tuple[int, int]]:
+    """(q_len, k_len) per request: decode rows, full prefills, shorter chunks, empty queries or keys."""
+
+    def one() -> tuple[int, int]:
+        if draw(st.integers(0, 9)) == 0:
+            return draw(st.integers(0, 3)), 0  # no keys at all: those queries output zeros
+        k_len = draw(st.integers(1, 48))
+        kind = draw(st.sampled_from(["decode", "full", "chunk"]))
+        q_len = {"decode": 1, "full": k_len}.get(kind) or draw(st.integers(0, k_len))
+        return q_len, k_len
+
+    n = draw(st.integers(1, 6))
+    if draw(st.booleans()):  # uniform batch: exercises the single-call, view-only fast path
+        return [one()] * n
+    return [one() for _ in range(n)]
+
+
+def _randn(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).to(dtype)
+
+
+def _kwargs(opts: dict, num_heads: int, gen: torch.Generator) -> dict:
+    sinks = _randn(gen, num_heads) * 2 if opts["sinks"] else None
+    return {
+        "softmax_scale": 1 / math.sqrt(opts["head_dim"]),
+        "causal": opts["causal"],
+        "window_size": opts["window_size"],
+        "softcap": opts["softcap"],
+        "sinks": sinks,
+    }
+
+
+def _cu(lens: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def _run_varlen(shapes: list[tuple[int, int]], opts: dict, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(opts["seed"])
+    h_kv, d = opts["num_kv_heads"], opts["head_dim"]
+    h = h_kv * opts["group"]
+    q_lens, k_lens = [s[0] for s in shapes], [s[1] for s in shapes]
+    q = _randn(gen, sum(q_lens), h, d, dtype=dtype)  # [total_q, H, D]
+    k = _randn(gen, sum(k_lens), h_kv, d, dtype=dtype)  # [total_k, H_kv, D]
+    v = _randn(gen, sum(k_lens), h_kv, d, dtype=dtype)
+    kw = _kwargs(opts, h, gen)
+    cu_q, cu_k = _cu(q_lens), _cu(k_lens)
+    out = torch_backend.varlen_attention(
+        q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), **kw
+    )  # [total_q, H, D]
+    expected = reference.varlen_reference(q, k, v, cu_q, cu_k, **kw)
+    return out, expected
+
+
+@settings(max_examples=60, deadline=None)
+@given(shapes=varlen_shapes(), opts=attn_options())
+def test_varlen_matches_reference(shapes: list[tuple[int, int]], opts: dict) -> None:
+    out, expected = _run_varlen(shapes, opts, torch.float32)
+    assert out.dtype == torch.float32 and out.shape == expected.shape
+    torch.testing.assert_close(out, expected, **TOL)
+
+
+def test_varlen_explicit_path_chunks_long_queries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The softcap/sinks path chunks queries to bound its score matrix; results must not change."""
+    monkeypatch.setattr(torch_backend, "_MAX_SCORES", 500)
+    opts = {"num_kv_heads": 2, "group": 2, "head_dim": 64, "causal": True, "window_size": (7, 0),
+            "softcap": 10.0, "sinks": True, "seed": 0}  # fmt: skip
+    out, expected = _run_varlen([(40, 40), (13, 50), (1, 9)], opts, torch.float32)
+    torch.testing.assert_close(out, expected, **TOL)
+
+
+def _paged_case(
+    gen: torch.Generator, lens: list[int], bs: int, h_kv: int, d: int, extra_cols: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """Random per-request K/V stored in shuffled pages of ``bs`` tokens -> caches, block table, K and V."""
+    need = [-(-n // bs) for n in lens]  # blocks per request
+    width = max(need) + extra_cols
+    num_blocks = sum(need) + 3  # a few spare blocks that nobody owns
+    ids = torch.randperm(num_blocks, generator=gen).tolist()
+    table = torch.full((len(lens), width), -1, dtype=torch.int32)
+    k_cache = _randn(gen, num_blocks, bs, h_kv, d, dtype=dtype)  # garbage everywhere
+    v_cache = _randn(gen, num_blocks, bs, h_kv, d, dtype=dtype)
+    ks, vs = [], []
+    for b, n in enumerate(lens):
+        table[b, : need[b]] = torch.tensor([ids.pop() for _ in range(need[b])], dtype=torch.int32)
+        ks.append(_randn(gen, n, h_kv, d, dtype=dtype))  # [n, H_kv, D]
+        vs.append(_randn(gen, n, h_kv, d, dtype=dtype))
+        pos = torch.arange(n)
+        k_cache[table[b].long()[pos // bs], pos % bs] = ks[b]
+        v_cache[table[b].long()[pos // bs], pos % bs] = vs[b]
+    return k_cache, v_cache, table, ks, vs
+
+
+def _check_decode(
+    lens: list[int], block_size: int, opts: dict, append: bool, dtype: torch.dtype, tol: dict
+) -> None:
+    gen = torch.Generator().manual_seed(opts["seed"])
+    h_kv, d = opts["num_kv_heads"], opts["head_dim"]
+    h, batch = h_kv * opts["group"], len(lens)
+    total = [n + append for n in lens]  # tokens attended per request
+    k_cache, v_cache, table, ks, vs = _paged_case(gen, total, block_size, h_kv, d, 1, dtype)
+    k_new = _randn(gen, batch, 1, h_kv, d, dtype=dtype) if append else None  # [B, 1, H_kv, D]
+    v_new = _randn(gen, batch, 1, h_kv, d, dtype=dtype) if append else None
+    if append:  # the kernel must write these itself: replace them in the cache with junk first
+        for b, n in enumerate(lens):
+            k_cache[table[b, n // block_size].long(), n % block_size] = 1e4
+            ks[b][n], vs[b][n] = k_new[b, 0], v_new[b, 0]
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    q = _randn(gen, batch, 1, h, d, dtype=dtype)  # [B, 1, H, D]
+    kw = _kwargs(opts, h, gen)
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    out = torch_backend.paged_decode_attention(q, k_cache, v_cache, k_new, v_new, seqlens, table, **kw)
+    assert out.shape == (batch, 1, h, d) and out.dtype == dtype
+    for b in range(batch):
+        expected = reference.attend_one(q[b], ks[b], vs[b], **kw)  # [1, H, D]
+        torch.testing.assert_close(out[b], expected, **tol)
+        n = total[b]
+        torch.testing.assert_close(reference.gather_pages(k_cache, table[b], n), ks[b], atol=0, rtol=0)
+        torch.testing.assert_close(reference.gather_pages(v_cache, table[b], n), vs[b], atol=0, rtol=0)
+    if append:  # nothing but the B new slots changed
+        for b, n in enumerate(lens):
+            blk, slot = int(table[b, n // block_size]), n % block_size
+            before_k[blk, slot], before_v[blk, slot] = k_new[b, 0], v_new[b, 0]
+    assert torch.equal(k_cache, before_k) and torch.equal(v_cache, before_v)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lens=st.lists(st.just(0) | st.integers(0, 70), min_size=1, max_size=6),  # 0: empty request
+    block_size=st.sampled_from([1, 4, 16, 32]),
+    opts=attn_options(),
+    append=st.booleans(),
+)
+def test_decode_matches_reference(lens: list[int], block_size: int, opts: dict, append: bool) -> None:
+    _check_decode(lens, block_size, opts, append, torch.float32, TOL)
+
+
+def test_decode_worked_example() -> None:
+    """The spec's example: block size 32, lengths [30, 32, 70], 8 blocks, a new token per request."""
+    gen = torch.Generator().manual_seed(0)
+    h, h_kv, d, bs = 4, 2, 64, 32
+    lens = [30, 32, 70]
+    table = torch.tensor([[2, -1, -1, -1], [0, 1, -1, -1], [3, 5, 6, -1]], dtype=torch.int32)
+    k_cache, v_cache = _randn(gen, 8, bs, h_kv, d), _randn(gen, 8, bs, h_kv, d)  # [8, 32, H_kv, D]
+    ks = [_randn(gen, n, h_kv, d) for n in lens]  # contiguous K of each request
+    vs = [_randn(gen, n, h_kv, d) for n in lens]
+    k_cache[2, :30], v_cache[2, :30] = ks[0], vs[0]
+    k_cache[0], v_cache[0] = ks[1], vs[1]
+    for i, blk in enumerate([3, 5]):
+        k_cache[blk], v_cache[blk] = ks[2][32 * i : 32 * i + 32], vs[2][32 * i : 32 * i + 32]
+    k_cache[6, :6], v_cache[6, :6] = ks[2][64:], vs[2][64:]
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    q, k_new, v_new = _randn(gen, 3, 1, h, d), _randn(gen, 3, 1, h_kv, d), _randn(gen, 3, 1, h_kv, d)
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    out = torch_backend.paged_decode_attention(
+        q, k_cache, v_cache, k_new, v_new, seqlens, table, softmax_scale=d**-0.5
+    )  # [3, 1, H, D]
+    for b in range(3):
+        k_full = torch.cat([ks[b], k_new[b]])  # [lens[b] + 1, H_kv, D], stored contiguously
+        v_full = torch.cat([vs[b], v_new[b]])
+        expected = reference.attend_one(q[b], k_full, v_full, softmax_scale=d**-0.5)
+        torch.testing.assert_close(out[b], expected, **TOL)
+    # request 0 -> block 2 slot 30; 1 -> position 32, its second block (1), slot 0; 2 -> block 6 slot 6
+    for b, (blk, slot) in enumerate([(2, 30), (1, 0), (6, 6)]):
+        assert torch.equal(k_cache[blk, slot], k_new[b, 0]) and torch.equal(v_cache[blk, slot], v_new[b, 0])
+        before_k[blk, slot], before_v[blk, slot] = k_new[b, 0], v_new[b, 0]
+    assert torch.equal(k_cache, before_k) and torch.equal(v_cache, before_v)  # blocks 4, 7 etc. untouched
+
+
+def test_decode_writes_only_new_slots() -> None:
+    """Block size 4, shuffled pages: the cache after the call is the cache before plus exactly B slots."""
+    gen = torch.Generator().manual_seed(1)
+    h_kv, d, bs, num_blocks = 2, 64, 4, 12
+    table = torch.tensor([[7, 2, -1], [11, -1, -1], [0, 9, 4]], dtype=torch.int32)
+    lens = torch.tensor([5, 3, 8], dtype=torch.int32)  # new tokens at (2, 1), (11, 3), (4, 0)
+    k_cache, v_cache = _randn(gen, num_blocks, bs, h_kv, d), _randn(gen, num_blocks, bs, h_kv, d)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    k_new, v_new = _randn(gen, 3, 1, h_kv, d), _randn(gen, 3, 1, h_kv, d)
+    for b, (blk, slot) in enumerate([(2, 1), (11, 3), (4, 0)]):
+        expected_k[blk, slot], expected_v[blk, slot] = k_new[b, 0], v_new[b, 0]
+    q = _randn(gen, 3, 1, 4, d)
+    torch_backend.paged_decode_attention(q, k_cache, v_cache, k_new, v_new, lens, table, softmax_scale=0.1)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("softcap_and_sinks", [False, True])
+def test_half_precision_smoke(dtype: torch.dtype, softcap_and_sinks: bool) -> None:
+    opts = {"num_kv_heads": 2, "group": 4, "head_dim": 64, "causal": True, "window_size": (-1, -1),
+            "softcap": 20.0 if softcap_and_sinks else 0.0, "sinks": softcap_and_sinks, "seed": 3}  # fmt: skip
+    out, expected = _run_varlen([(17, 17), (1, 30), (5, 40), (0, 3)], opts, dtype)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+    _check_decode([0, 31, 64], 16, opts, True, dtype, {"atol": 2e-2, "rtol": 2e-2})
