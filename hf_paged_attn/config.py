@@ -31,7 +31,7 @@ class PagedConfig:
     max_num_seqs: int = 64
     max_batch_tokens: int = 512
     kernel: str = "auto"
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
     memory_fraction: float = 0.5
     progress_bar: bool | None = None
     seed: int | None = None

@@ -36,6 +36,12 @@ class EngineStats:
     busy_seconds: float  # inside step()
     forward_seconds: float  # inside the model forward (the rest is the engine's own overhead)
     kv_waste_at_peak: float  # reserved but unfilled slots / reserved slots, when most blocks were used
+    num_prompt_tokens: int  # of admitted requests
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.num_cached_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
 
     @property
     def cache_usage(self) -> float:
@@ -71,7 +77,7 @@ class ContinuousBatchingEngine:
         if check_block_size is not None:
             check_block_size(self.config.block_size)
         num_blocks = num_blocks or self.config.num_blocks or self._blocks_from_memory()
-        self.allocator = BlockAllocator(num_blocks)
+        self.allocator = BlockAllocator(num_blocks, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.allocator, self.config.block_size, self.config.max_num_seqs, self.config.max_batch_tokens
         )
@@ -224,11 +230,8 @@ class ContinuousBatchingEngine:
             return self._fail([s.request for s in plan.scheduled], exc)
         self._num_steps += 1
         self._forward_seconds += time.perf_counter() - forward_start
-        sampled: list[Request] = []
-        for s in plan.scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
-            if s.request.num_computed_tokens == s.request.num_tokens:
-                sampled.append(s.request)
+        self.scheduler.commit(plan.scheduled)
+        sampled = [s.request for s in plan.scheduled if s.request.num_computed_tokens == s.request.num_tokens]
         if not sampled:
             return []
         tokens = sample_tokens(logits, sampled, self.generator)
@@ -375,4 +378,6 @@ class ContinuousBatchingEngine:
             busy_seconds=self._busy_seconds,
             forward_seconds=self._forward_seconds,
             kv_waste_at_peak=self._waste_at_peak,
+            num_prompt_tokens=self.scheduler.num_prompt_tokens,
+            num_cached_tokens=self.scheduler.num_cached_tokens,
         )

@@ -44,6 +44,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_prompt_tokens = 0  # of admitted requests
+        self.num_cached_tokens = 0  # of those, served from the prefix cache
 
     @property
     def has_work(self) -> bool:
@@ -95,15 +97,52 @@ class Scheduler:
         # had to preempt: the freed blocks go to the requests already running.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             request = self.waiting[0]
-            num_new = min(request.num_pending_tokens, budget)
-            if not self._reserve(request, num_new, out.block_copies):
+            if not self._admit(request, budget, out.block_copies):
                 break
+            num_new = min(request.num_pending_tokens, budget)
             self.waiting.popleft()
             request.status = Status.RUNNING
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
         return out
+
+    def commit(self, scheduled: list[ScheduledRequest]) -> None:
+        """The step ran: its tokens are in the cache; blocks that became full join the prefix cache."""
+        size = self.block_size
+        for s in scheduled:
+            request = s.request
+            first_full = request.num_computed_tokens // size
+            request.num_computed_tokens += s.num_new_tokens
+            tokens = request.all_ids
+            for i in range(first_full, request.num_computed_tokens // size):
+                parent = request.block_ids[i - 1] if i else None
+                self.allocator.register(request.block_ids[i], parent, tuple(tokens[i * size : (i + 1) * size]))
+
+    def _admit(self, request: Request, budget: int, copies: list[tuple[int, int]]) -> bool:
+        """Reserve blocks for a waiting request's first chunk, reusing cached prefix blocks.
+
+        When every known token hits the cache, the last one is still recomputed: its logits are
+        needed to sample the next token.
+        """
+        size = self.block_size
+        tokens = request.all_ids
+        hits = self.allocator.lookup(
+            [tuple(tokens[i * size : (i + 1) * size]) for i in range((len(tokens) - 1) // size)]
+        )
+        num_cached = len(hits) * size
+        num_new = min(len(tokens) - num_cached, budget)
+        needed = blocks_for(num_cached + num_new, size) - len(hits)
+        if not self.allocator.can_allocate(needed + self.allocator.num_evictable(hits)):
+            return False
+        request.block_ids = self.allocator.fork(hits)
+        request.num_computed_tokens = num_cached
+        if request.num_preemptions == 0:  # count what a fresh request was spared, not recomputes
+            request.num_cached_tokens = num_cached
+            self.num_prompt_tokens += len(request.prompt_ids)
+            self.num_cached_tokens += num_cached
+        assert self._reserve(request, num_new, copies)
+        return True
 
     def _reserve(self, request: Request, num_new: int, copies: list[tuple[int, int]]) -> bool:
         """Make sure blocks exist for ``num_new`` more tokens; copy a shared block before writing it."""

@@ -35,3 +35,59 @@ def test_double_free_is_caught():
 def test_zero_blocks_refused():
     with pytest.raises(ValueError, match="num_blocks"):
         BlockAllocator(0)
+
+
+def prefix_allocator(n=8):
+    return BlockAllocator(n, enable_prefix_caching=True)
+
+
+def test_prefix_lookup_walks_the_chain_and_verifies_tokens():
+    alloc = prefix_allocator()
+    a, b = alloc.allocate(2)
+    alloc.register(a, None, (1, 2))
+    alloc.register(b, a, (3, 4))
+    assert alloc.lookup([(1, 2), (3, 4), (5, 6)]) == [a, b]
+    assert alloc.lookup([(1, 2), (3, 5)]) == [a]
+    assert alloc.lookup([(3, 4)]) == []  # same tokens, different parent: no hit
+    disabled = BlockAllocator(4)
+    (c,) = disabled.allocate(1)
+    disabled.register(c, None, (1, 2))
+    assert disabled.lookup([(1, 2)]) == []
+
+
+def test_cached_free_blocks_are_evicted_last_and_lru():
+    alloc = prefix_allocator(4)
+    a, b, c, d = alloc.allocate(4)
+    alloc.register(a, None, (1,))
+    alloc.register(b, None, (2,))
+    alloc.free([a, b, c, d])  # a and b stay cached; c and d are empty
+    assert alloc.num_free_blocks == 4 and alloc.num_cached_blocks == 2
+    assert sorted(alloc.allocate(2)) == sorted([c, d])  # empty blocks go first
+    assert alloc.allocate(1) == [a]  # then the least recently freed cached block
+    assert alloc.lookup([(1,)]) == [] and alloc.lookup([(2,)]) == [b]
+    alloc.check_invariants()
+
+
+def test_reused_parent_makes_children_unreachable():
+    alloc = prefix_allocator(2)
+    a, b = alloc.allocate(2)
+    alloc.register(a, None, (1,))
+    alloc.register(b, a, (2,))  # b holds (2,) after (1,)
+    alloc.free([a])  # a is evictable, b still held
+    assert alloc.allocate(1) == [a]  # a is evicted and reused for other content...
+    alloc.register(a, None, (9,))
+    # ...so b, computed after the old content, must not be found after the new one
+    assert alloc.lookup([(9,), (2,)]) == [a]
+    alloc.check_invariants()
+
+
+def test_fork_of_cached_free_block_takes_it_out_of_the_free_pool():
+    alloc = prefix_allocator(2)
+    (a,) = alloc.allocate(1)
+    alloc.register(a, None, (1, 2))
+    alloc.free([a])
+    assert alloc.num_free_blocks == 2
+    assert alloc.num_evictable([a]) == 1
+    alloc.fork([a])
+    assert alloc.num_free_blocks == 1 and alloc.ref_count(a) == 1
+    alloc.check_invariants()
