@@ -234,14 +234,32 @@ class ContinuousBatchingEngine:
         sampled = [s.request for s in plan.scheduled if s.request.num_computed_tokens == s.request.num_tokens]
         if not sampled:
             return []
-        tokens = sample_tokens(logits, sampled, self.generator)
-        outputs = []
+        tokens, outputs = self._sample(logits, sampled)
         for request, token, row in zip(sampled, tokens, range(len(sampled))):
+            if token is None:
+                continue
             children = self._fork(request, logits[row : row + 1]) if request.num_children else []
             for r, t in [(request, token), *children]:
                 self._append(r, t)
                 outputs.append(self._emit(r) if r.finished else r.take_output())
         return outputs
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int | None], list[RequestOutput]]:
+        """Tokens for ``requests``; a request whose sampling raises (e.g. a custom logits
+        processor) fails alone, with its token None, and the others go on."""
+        try:
+            return sample_tokens(logits, requests, self.generator), []
+        except Exception:
+            pass
+        tokens: list[int | None] = []
+        failed: list[RequestOutput] = []
+        for row, request in enumerate(requests):
+            try:
+                tokens += sample_tokens(logits[row : row + 1], [request], self.generator)
+            except Exception as exc:
+                tokens.append(None)
+                failed += self._fail([request], exc)
+        return tokens, failed
 
     def _forward(self, meta) -> torch.Tensor:
         """Logits of the sampled rows only: [num_sampled, vocab] float32."""

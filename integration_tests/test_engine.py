@@ -208,3 +208,22 @@ def test_engine_refuses_non_paged_model(llama_pair):
     ref, _ = llama_pair
     with pytest.raises(ValueError, match="attn_implementation=\"paged\""):
         ContinuousBatchingEngine(ref)
+
+
+def test_failing_logits_processor_fails_only_its_request(llama_pair):
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Explode(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            if input_ids.shape[1] > 6:
+                raise ValueError("processor exploded")
+            return scores
+
+    ref, paged = llama_pair
+    engine = ContinuousBatchingEngine(paged, PagedConfig(block_size=4, num_blocks=64))
+    bad = engine.add_request([1, 2, 3, 4], max_new_tokens=8, logits_processor=LogitsProcessorList([Explode()]))
+    good = engine.add_request([5, 6, 7], max_new_tokens=8)
+    finals = {o.request_id: o for o in engine.stream() if o.finished}
+    assert finals[bad].finish_reason == "error" and "processor exploded" in finals[bad].error
+    assert finals[good].output_ids == reference_greedy(ref, [5, 6, 7], 8)
+    assert engine.allocator.num_used_blocks == 0
