@@ -20,6 +20,7 @@ from .kernels import load_backend
 from .request import Request, RequestOutput
 from .sampling import make_sampling_params, sample_tokens
 from .scheduler import Scheduler, SchedulerOutput, blocks_for
+from .support import check_model_supported
 
 
 @dataclass(slots=True)
@@ -68,10 +69,12 @@ class ContinuousBatchingEngine:
                 f"the model's attention implementation is {attn!r}; load it with "
                 'from_pretrained(..., attn_implementation="paged") (after `import hf_paged_attn`)'
             )
+        check_model_supported(model)
         self.model = model
         self.config = config or PagedConfig()
         self.generation_config = generation_config or model.generation_config
         self.device = model.device
+        self.max_position_embeddings = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         self.backend = load_backend(self.config.kernel, self.device)
         check_block_size = getattr(self.backend, "check_block_size", None)
         if check_block_size is not None:
@@ -95,7 +98,6 @@ class ContinuousBatchingEngine:
         self._busy_seconds = 0.0
         self._forward_seconds = 0.0
         self._waste_at_peak = 0.0
-        self.max_position_embeddings = getattr(model.config.get_text_config(), "max_position_embeddings", None)
 
     # ----------------------------------------------------------------------------- requests in
     def add_request(

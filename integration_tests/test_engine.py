@@ -227,3 +227,11 @@ def test_failing_logits_processor_fails_only_its_request(llama_pair):
     assert finals[bad].finish_reason == "error" and "processor exploded" in finals[bad].error
     assert finals[good].output_ids == reference_greedy(ref, [5, 6, 7], 8)
     assert engine.allocator.num_used_blocks == 0
+
+
+def test_cache_sized_from_memory_when_num_blocks_is_none(llama_pair):
+    _, paged = llama_pair
+    engine = ContinuousBatchingEngine(paged, PagedConfig(block_size=16, max_num_seqs=4))
+    # capped at what max_num_seqs full-length (512-token) sequences can use
+    assert engine.allocator.num_blocks == 4 * 512 // 16
+    assert len(engine.generate([[1, 2, 3]], max_new_tokens=3)[0].output_ids) == 3
