@@ -16,10 +16,18 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
+
+# BENCH_ARGS: e.g. --smoke, --workload shared-prefix, --systems engine,hf_cb (see benchmarks/README.md).
+BENCH_ARGS ?= --workload uniform
+bench: $(STAMP)
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m hf_paged_attn.bench $(BENCH_ARGS)
+
+soak: $(STAMP)
+	$(PY) scripts/soak.py

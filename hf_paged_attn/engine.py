@@ -201,8 +201,12 @@ class ContinuousBatchingEngine:
         used = self.allocator.num_used_blocks
         if used > self._peak_used:
             self._peak_used = used
-            filled = sum(r.num_computed_tokens for r in self.scheduler.running)
-            self._waste_at_peak = 1.0 - filled / (used * self.config.block_size)
+            size = self.config.block_size
+            filled: dict[int, int] = {}  # per distinct block: shared blocks count once
+            for r in self.scheduler.running:
+                for i, block in enumerate(r.block_ids):
+                    filled[block] = max(filled.get(block, 0), min(size, r.num_computed_tokens - i * size))
+            self._waste_at_peak = 1.0 - sum(max(f, 0) for f in filled.values()) / (used * size)
 
     def _drain_incoming(self) -> list[RequestOutput]:
         """Move new requests to the scheduler and carry out aborts; returns the aborted outputs."""

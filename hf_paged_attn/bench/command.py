@@ -1,0 +1,86 @@
+"""Benchmark the paged engine against transformers on one model, one set of requests, one process.
+
+    python -m hf_paged_attn.bench --smoke                  # tiny model, seconds
+    python -m hf_paged_attn.bench --workload uniform       # 64 requests (several minutes on 2 cores)
+    python -m hf_paged_attn.bench --workload shared-prefix
+    python -m hf_paged_attn.bench --workload scale [--with-baselines]
+
+Writes ``OUT/<workload>.json`` and ``OUT/<workload>_throughput.png``; see benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from .report import build_report, format_table, plot
+from .runner import run_workload
+from .systems import SYSTEMS
+from .workloads import WORKLOADS, Workload
+
+DEFAULT_SYSTEMS = {
+    "uniform": ["engine", "generate", "hf_cb", "hf_padded"],
+    "shared-prefix": ["engine", "engine+prefix", "generate", "hf_cb", "hf_padded"],
+    "scale": ["engine"],
+    "smoke": ["engine", "generate", "hf_cb", "hf_padded"],
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="hf-paged-attn bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--workload", choices=[w for w in WORKLOADS if w != "smoke"], default="uniform")
+    parser.add_argument("--smoke", action="store_true", help="tiny model, 6 requests, 8 new tokens (seconds)")
+    parser.add_argument("--out", default="benchmarks/results", help="directory for the JSON and PNG")
+    parser.add_argument("--systems", help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    parser.add_argument("--with-baselines", action="store_true", help="scale: also run hf_cb and hf_padded")
+    parser.add_argument("--concurrency", help="comma-separated sweep levels (default: the workload's)")
+    parser.add_argument("--requests", type=int, help="override the number of requests (quick runs)")
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    parser.add_argument("--no-plot", action="store_true")
+    return parser.parse_args(argv)
+
+
+def build_workload(args: argparse.Namespace) -> Workload:
+    name = "smoke" if args.smoke else args.workload
+    if args.requests and name != "smoke":
+        return WORKLOADS[name](num_requests=args.requests)
+    return WORKLOADS[name]()
+
+
+def run(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark described by ``argv``; write and return the report."""
+    args = parse_args(argv)
+    if args.threads > 1 and "OMP_WAIT_POLICY" not in os.environ:
+        print(
+            "note: OMP_WAIT_POLICY is unset; on a shared or oversubscribed CPU, OpenMP's spinning threads can make "
+            "every forward 10x slower. Set OMP_WAIT_POLICY=PASSIVE in the environment (before Python starts).",
+            file=sys.stderr,
+        )
+    work = build_workload(args)
+    if args.systems:
+        systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    else:
+        systems = list(DEFAULT_SYSTEMS[work.name])
+        if args.with_baselines:
+            systems += [s for s in ("hf_cb", "hf_padded") if s not in systems]
+    levels = [int(c) for c in args.concurrency.split(",")] if args.concurrency else None
+    runs, bound, env = run_workload(work, systems, threads=args.threads, concurrency=levels)
+    report = build_report(work, runs, bound, env)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not args.no_plot:
+        report["plot"] = str(plot(report, out / f"{work.name}_throughput.png"))
+    (out / f"{work.name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(format_table(report))
+    print(f"wrote {out / f'{work.name}.json'}" + (f" and {report['plot']}" if "plot" in report else ""))
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    run(argv)

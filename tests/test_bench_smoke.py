@@ -1,0 +1,93 @@
+"""The benchmark's smoke configuration, run in-process: every JSON field present and sane."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from hf_paged_attn.bench import run
+from hf_paged_attn.cli import main as cli_main
+
+SYSTEMS = ("engine", "generate", "hf_cb", "hf_padded")
+RUN_FIELDS = (
+    "system", "concurrency", "wall_seconds", "useful_tokens", "generated_tokens", "tokens_per_second",
+    "fraction_of_bound", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms",
+)
+ENGINE_FIELDS = (
+    "concurrency", "tokens_per_second", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms",
+    "peak_used_blocks", "num_blocks", "kv_waste_at_peak", "num_preemptions", "num_steps", "busy_seconds",
+    "forward_seconds", "overhead_per_step_ms", "outside_step_seconds", "overhead_fraction", "prefix_hit_rate",
+)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    # One thread: the tiny model gains nothing from two, and a busy CI machine punishes spinning OpenMP threads.
+    report = run(["--smoke", "--out", str(out), "--threads", "1"])
+    return report, out
+
+
+def test_files_written(smoke):
+    report, out = smoke
+    assert json.loads((out / "smoke.json").read_text()) == json.loads(json.dumps(report))
+    png = out / "smoke_throughput.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_system_ran_and_agrees(smoke):
+    report, _ = smoke
+    assert set(report["headline"]) == set(SYSTEMS)
+    workload = report["workload"]
+    assert workload["num_requests"] == 6 and workload["new_tokens"] == 48
+    for rec in report["runs"]:
+        for name in RUN_FIELDS:
+            assert name in rec, f"{rec['system']}: {name} missing"
+        assert rec["tokens_per_second"] > 0 and math.isfinite(rec["tokens_per_second"])
+        assert rec["useful_tokens"] == 48 and rec["generated_tokens"] >= 48
+        assert 0 < rec["fraction_of_bound"] < 1.5, rec
+        for name in ("ttft", "tpot"):
+            p50, p99 = rec[f"{name}_p50_ms"], rec[f"{name}_p99_ms"]
+            if rec["system"] in ("engine", "hf_cb"):
+                assert 0 < p50 <= p99, (rec["system"], name, p50, p99)
+            else:
+                assert p50 is None and p99 is None  # static batches give no per-token timestamps
+        if rec["system"] in ("engine", "generate", "hf_cb"):
+            assert rec["settings"], rec["system"]
+        # Greedy with random weights: every system must produce the engine's tokens.
+        assert rec["same_tokens_as_engine"] == 1.0, rec["system"]
+
+
+def test_headline_ratios_and_bound(smoke):
+    report, _ = smoke
+    bound = report["bound"]
+    assert bound["seconds"] > 0 and bound["tokens_per_second"] > 0
+    assert bound["head_seconds_per_token"] > 0 and bound["best_body_tokens_per_second"] > 0
+    for system, entry in report["headline"].items():
+        ratios = {k: v for k, v in entry.items() if k.startswith("ratio_to_")}
+        expected = {f"ratio_to_{b}" for b in ("hf_cb", "hf_padded") if b != system}
+        assert set(ratios) == expected, system
+        assert all(math.isfinite(v) and v > 0 for v in ratios.values())
+    assert report["sweep"]["engine"][0][0] == 1 and len(report["sweep"]["engine"]) == 2
+
+
+def test_engine_figures(smoke):
+    report, _ = smoke
+    engine = report["engine"]
+    for name in ENGINE_FIELDS:
+        assert name in engine, name
+    assert 0 < engine["peak_used_blocks"] <= engine["num_blocks"]
+    assert 0.0 <= engine["kv_waste_at_peak"] < 1.0
+    assert engine["num_preemptions"] == 0
+    assert engine["prefix_hit_rate"] == 0.0  # "engine" runs with prefix caching off
+    assert engine["num_steps"] > 0 and engine["forward_seconds"] <= engine["busy_seconds"]
+    assert engine["overhead_per_step_ms"] >= 0 and 0 <= engine["overhead_fraction"] < 1
+    assert 0 < engine["ttft_p50_ms"] <= engine["ttft_p99_ms"] and 0 < engine["tpot_p50_ms"] <= engine["tpot_p99_ms"]
+
+
+def test_cli_rejects_unknown_command(capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["nope"])
+    assert cli_main([]) == 2
