@@ -19,8 +19,9 @@ softmax_scale, causal=True, window_size=(-1, -1), softcap=0.0, sinks=None) -> ou
 
     q: [batch, 1, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads,
     head_dim]; k, v: [batch, 1, num_kv_heads, head_dim] new token, written in place at position
-    cache_seqlens[b] of request b (or None when already written). cache_seqlens: int32 [batch], the
-    length *before* appending. block_table: int32 [batch, max_blocks_per_seq], -1 for unallocated.
+    cache_seqlens[b] of request b, or None when already written. cache_seqlens: int32 [batch], the
+    tokens in the cache before ``k`` is appended; with ``k=None`` (as in flash-attn) the tokens to
+    attend to, the new one included. block_table: int32 [batch, max_blocks_per_seq], -1 for unallocated.
     Returns [batch, 1, num_heads, head_dim].
 
 Backends are imported lazily: only ``torch`` is always importable.

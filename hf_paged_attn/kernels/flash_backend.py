@@ -1,0 +1,218 @@
+"""flash-attn 2 backend: a thin adapter onto ``flash_attn_varlen_func`` and ``flash_attn_with_kvcache``.
+
+The adapter only reshapes what flash-attn is strict about: int32 lengths and block table on the
+query's device, a contiguous block table without ``-1`` entries, tensors with a contiguous last
+dimension, and a paged block size that is a multiple of 256. Features flash-attn 2 lacks (attention
+sinks, fp32) raise ``NotImplementedError`` so that a dispatcher can fall back to another backend.
+
+flash-attn is imported lazily by ``_load_flash_attn`` (tests substitute a stand-in module there).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+__all__ = ["paged_decode_attention", "paged_prefill_attention", "varlen_attention", "write_kv"]
+
+FLASH_PAGE_MULTIPLE = 256  # flash-attn 2's paged kernels need page_block_size % 256 == 0
+_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _load_flash_attn() -> ModuleType:
+    """Import flash_attn on first use, with an install hint when it is missing."""
+    try:
+        import flash_attn
+    except ImportError as exc:
+        raise ImportError(
+            "kernel='flash' needs flash-attn 2 on a CUDA machine: "
+            "`pip install flash-attn --no-build-isolation` (or use kernel='torch' / 'triton')"
+        ) from exc
+    return flash_attn
+
+
+def _check_block_size(block_size: int) -> None:
+    if block_size % FLASH_PAGE_MULTIPLE:
+        raise ValueError(
+            f"flash-attn 2 needs a paged block_size that is a multiple of {FLASH_PAGE_MULTIPLE}, got "
+            f"block_size={block_size}; use PagedConfig(block_size=256) or kernel='torch' / 'triton'"
+        )
+
+
+def _check_supported(q: torch.Tensor, sinks: torch.Tensor | None) -> None:
+    if sinks is not None:
+        raise NotImplementedError(
+            "flash-attn 2 has no attention sinks (sinks=...); use kernel='torch' or 'triton'"
+        )
+    if q.dtype not in _DTYPES:
+        raise NotImplementedError(f"flash-attn 2 supports float16 and bfloat16 only, got {q.dtype}")
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    # flash-attn takes arbitrary outer strides but needs stride(-1) == 1; copying only then keeps
+    # the common (already contiguous) case free.
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _int32(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Lengths / offsets as contiguous int32 on ``device`` (flash-attn checks all three)."""
+    return x.to(device=device, dtype=torch.int32).contiguous()
+
+
+def _safe_block_table(block_table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # -1 marks unallocated pages past each request's length; flash never reads them for attention,
+    # but clamping to block 0 makes any address it might form valid.
+    return block_table.to(device=device, dtype=torch.int32).clamp(min=0).contiguous()
+
+
+def _check_pages(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    _check_block_size(k_cache.shape[1])
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        # The pages are updated in place, so they cannot be copied to fix their layout.
+        raise ValueError("k_cache and v_cache must have a contiguous last dimension for flash-attn")
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    softmax_scale: float,
+    causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Packed varlen attention. q: [total_q, H, D]; k, v: [total_k, H_kv, D]; cu_seqlens_*: [B + 1].
+    Returns [total_q, H, D]."""
+    _check_supported(q, sinks)
+    fa = _load_flash_attn()
+    return fa.flash_attn_varlen_func(
+        q=_last_dim_contiguous(q),
+        k=_last_dim_contiguous(k),
+        v=_last_dim_contiguous(v),
+        cu_seqlens_q=_int32(cu_seqlens_q, q.device),
+        cu_seqlens_k=_int32(cu_seqlens_k, q.device),
+        max_seqlen_q=int(max_seqlen_q),
+        max_seqlen_k=int(max_seqlen_k),
+        softmax_scale=float(softmax_scale),
+        causal=bool(causal),
+        window_size=(int(window_size[0]), int(window_size[1])),
+        softcap=float(softcap),
+    )
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seqused_k: torch.Tensor,
+    block_table: torch.Tensor,
+    max_seqlen_q: int | None = None,
+    *,
+    softmax_scale: float,
+    causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    max_seqlen_k: int | None = None,
+) -> torch.Tensor:
+    """Packed queries against keys read from the pages: flash-attn's varlen kernel with a block table.
+
+    q: [total_q, H, D]; k_cache, v_cache: [num_blocks, block_size, H_kv, D] already holding this
+    step's keys; cu_seqlens_q: [B + 1]; seqused_k: [B] keys per request; block_table: [B, max_blocks].
+    ``max_seqlen_k`` defaults to the block table's capacity, an upper bound known without a sync.
+    Returns [total_q, H, D].
+    """
+    _check_supported(q, sinks)
+    _check_pages(k_cache, v_cache)
+    fa = _load_flash_attn()
+    if max_seqlen_q is None:
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if cu_seqlens_q.numel() > 1 else 0
+    if max_seqlen_k is None:
+        max_seqlen_k = block_table.shape[1] * k_cache.shape[1]
+    # With a block table, flash-attn reads each request's key count from cu_seqlens_k.
+    cu_seqlens_k = torch.zeros(seqused_k.numel() + 1, dtype=torch.int32, device=q.device)
+    cu_seqlens_k[1:] = seqused_k.to(q.device).cumsum(0)  # [B + 1]
+    return fa.flash_attn_varlen_func(
+        q=_last_dim_contiguous(q),
+        k=k_cache,
+        v=v_cache,
+        cu_seqlens_q=_int32(cu_seqlens_q, q.device),
+        cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=int(max_seqlen_q),
+        max_seqlen_k=int(max_seqlen_k),
+        softmax_scale=float(softmax_scale),
+        causal=bool(causal),
+        window_size=(int(window_size[0]), int(window_size[1])),
+        softcap=float(softcap),
+        block_table=_safe_block_table(block_table, q.device),
+    )
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    softmax_scale: float,
+    causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One new token per request. q: [B, 1, H, D]; k_cache, v_cache: [num_blocks, block_size, H_kv,
+    D]; k, v: [B, 1, H_kv, D] appended in place at cache_seqlens[b] (then cache_seqlens[b] + 1 keys
+    are attended), or None (then cache_seqlens[b] keys, already in the pages); block_table:
+    [B, max_blocks]. Returns [B, 1, H, D]."""
+    _check_supported(q, sinks)
+    _check_pages(k_cache, v_cache)
+    if (k is None) != (v is None):
+        raise ValueError("pass both k and v, or neither")
+    fa = _load_flash_attn()
+    return fa.flash_attn_with_kvcache(
+        q=_last_dim_contiguous(q),
+        k_cache=k_cache,
+        v_cache=v_cache,
+        k=None if k is None else _last_dim_contiguous(k),
+        v=None if v is None else _last_dim_contiguous(v),
+        cache_seqlens=_int32(cache_seqlens, q.device),
+        block_table=_safe_block_table(block_table, q.device),
+        softmax_scale=float(softmax_scale),
+        causal=bool(causal),
+        window_size=(int(window_size[0]), int(window_size[1])),
+        softcap=float(softcap),
+    )
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write new K/V into the pages (flash-attn 2 has no standalone writer: a torch scatter).
+
+    k, v: [N, H_kv, D]; k_cache, v_cache: [num_blocks, block_size, H_kv, D]; slot_mapping: [N],
+    slot = block * block_size + offset, -1 skips the token.
+    """
+    keep = slot_mapping >= 0  # [N]
+    slots = slot_mapping[keep].long()
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[keep].to(k_cache.dtype))  # [slots, H_kv, D]
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[keep].to(v_cache.dtype))

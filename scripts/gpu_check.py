@@ -1,0 +1,440 @@
+"""One prepared GPU check (under 5 minutes on one H100/H200, no network). Prints one line per check:
+
+    [PASS|FAIL|SKIPPED] <check>: <details>
+
+(a) kernels/<backend>/<dtype>: triton, flash (when importable) and torch backends against the
+    float64 reference on CUDA: paged decode (split-K forced and automatic), paged prefill and
+    varlen, with GQA, windows, softcap and sinks.
+(b) greedy/<dtype>: a tiny random Llama, ``attn_implementation="paged"`` against ``"sdpa"``,
+    32 greedy tokens per prompt through the public API.
+(c) bandwidth/<backend>: paged decode microbenchmark, K/V bytes read per second as a fraction of
+    the device's peak memory bandwidth.
+
+Without CUDA every check prints SKIPPED and the script exits 0. Otherwise it exits 1 if a check
+failed. Run it through ``scripts/gpu_check.sh``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+
+import torch
+
+CHECKS = (
+    "kernels/triton/fp32",
+    "kernels/triton/bf16",
+    "kernels/flash/fp32",
+    "kernels/flash/bf16",
+    "kernels/torch/fp32",
+    "kernels/torch/bf16",
+    "greedy/fp32",
+    "greedy/bf16",
+    "bandwidth/triton",
+    "bandwidth/flash",
+    "bandwidth/torch",
+)
+
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # max abs error vs the float64 reference
+DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# Peak HBM bandwidth by device-name substring, most specific first (bytes/s, vendor figures).
+PEAK_BANDWIDTH = (
+    ("H200", 4.8e12),
+    ("H100 NVL", 3.9e12),
+    ("H100 PCIe", 2.0e12),
+    ("H100", 3.35e12),
+    ("A100-SXM4-80GB", 2.039e12),
+    ("A100 80GB PCIe", 1.935e12),
+    ("A100", 1.555e12),
+)
+
+failures: list[str] = []
+
+
+def report(status: str, check: str, detail: str) -> None:
+    if status == "FAIL":
+        failures.append(check)
+    print(f"[{status}] {check}: {detail}", flush=True)
+
+
+def short_error(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+    return text if len(text) < 300 else text[:297] + "..."
+
+
+# ----------------------------------------------------------------------------------------------
+# (a) kernel parity
+# ----------------------------------------------------------------------------------------------
+
+
+def load_backends() -> dict[str, object]:
+    """name -> backend module, or the reason it is unavailable (a string)."""
+    out: dict[str, object] = {}
+    for name in ("triton", "flash", "torch"):
+        try:
+            module = importlib.import_module(f"hf_paged_attn.kernels.{name}_backend")
+            if name == "flash":
+                module._load_flash_attn()  # the adapter imports flash_attn lazily: try it now
+            out[name] = module
+        except Exception as exc:  # report whatever made it unavailable
+            out[name] = short_error(exc)
+    return out
+
+
+def make_pages(lens: list[int], block_size: int, h_kv: int, d: int, dtype: torch.dtype, gen: torch.Generator):
+    """Random CUDA pages for lens[b] tokens under a shuffled block table (-1 past each request)."""
+    per = [-(-n // block_size) for n in lens]
+    num_blocks = sum(per) + 2
+    order = torch.randperm(num_blocks, generator=gen).int()
+    table = torch.full((len(lens), max(per) + 1), -1, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(per):
+        table[b, :n] = order[used : used + n]
+        used += n
+    shape = (num_blocks, block_size, h_kv, d)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    return k_cache.cuda(), v_cache.cuda(), table.cuda()
+
+
+def option_sets(num_heads: int, gen: torch.Generator) -> list[tuple[str, dict]]:
+    return [
+        ("plain", dict(causal=True, window_size=(-1, -1), softcap=0.0, sinks=None)),
+        ("window+softcap", dict(causal=True, window_size=(100, 0), softcap=30.0, sinks=None)),
+        ("sinks", dict(causal=True, window_size=(-1, -1), softcap=0.0, sinks=torch.randn(num_heads, generator=gen))),
+    ]
+
+
+def kernel_cases(backend, dtype: torch.dtype, seed: int = 0):
+    """Yield (case name, function returning (out, ref)) for one backend and dtype.
+
+    Block size 256 (flash-attn 2's minimum), 16 query heads over 4 KV heads, head_dim 128; lengths
+    mix short requests with ~2K-token ones so that split-K has tiles to split.
+    """
+    from hf_paged_attn.kernels import reference
+
+    gen = torch.Generator().manual_seed(seed)
+    h, h_kv, d, bs = 16, 4, 128, 256
+    scale = d**-0.5
+    for opt_name, opts in option_sets(h, gen):
+        cuda_opts = {**opts, "sinks": None if opts["sinks"] is None else opts["sinks"].cuda()}
+
+        lens = [0, 37, 255, 256, 1000, 2047]
+        k_cache, v_cache, table = make_pages([n + 1 for n in lens], bs, h_kv, d, dtype, gen)
+        q = torch.randn(len(lens), 1, h, d, generator=gen).to(dtype).cuda()
+        k_new = torch.randn(len(lens), 1, h_kv, d, generator=gen).to(dtype).cuda()
+        v_new = torch.randn(len(lens), 1, h_kv, d, generator=gen).to(dtype).cuda()
+        seqlens = torch.tensor(lens, dtype=torch.int32).cuda()
+
+        for splits in ((None, 4) if getattr(backend, "__name__", "").endswith("triton_backend") else (None,)):
+
+            def decode(splits=splits, k_cache=k_cache, v_cache=v_cache, lens=lens, table=table, q=q,
+                       k_new=k_new, v_new=v_new, seqlens=seqlens, opts=opts, cuda_opts=cuda_opts):  # fmt: skip
+                kc, vc = k_cache.clone(), v_cache.clone()
+                extra = {} if splits is None else {"num_splits": splits}
+                out = backend.paged_decode_attention(
+                    q, kc, vc, k_new, v_new, seqlens, table, softmax_scale=scale, **cuda_opts, **extra
+                )
+                kc, vc, tab, qc = kc.cpu(), vc.cpu(), table.cpu(), q.cpu()
+                ref = torch.empty_like(qc)
+                for b, n in enumerate(lens):
+                    keys = reference.gather_pages(kc, tab[b], n + 1)
+                    if not torch.equal(keys[-1], k_new[b, 0].cpu()):
+                        raise AssertionError(f"decode did not append request {b}'s token at {n}")
+                    ref[b] = reference.attend_one(
+                        qc[b], keys, reference.gather_pages(vc, tab[b], n + 1), softmax_scale=scale, **opts
+                    )
+                return out.cpu(), ref
+
+            yield f"decode[{opt_name}, splits={splits or 'auto'}]", decode
+
+        q_lens, prefix = [1, 77, 300, 0, 513], [0, 200, 1500, 10, 0]
+        k_lens = [p + n for p, n in zip(prefix, q_lens, strict=True)]
+        k_cache, v_cache, table = make_pages(k_lens, bs, h_kv, d, dtype, gen)
+        cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32)
+        qp = torch.randn(int(cu_q[-1]), h, d, generator=gen).to(dtype)
+        # Pack the request's pages into [total_k, H_kv, D] for the varlen entry point and the reference.
+        k_packed = torch.cat([reference.gather_pages(k_cache.cpu(), table.cpu()[b], n) for b, n in enumerate(k_lens)])
+        v_packed = torch.cat([reference.gather_pages(v_cache.cpu(), table.cpu()[b], n) for b, n in enumerate(k_lens)])
+
+        def ref_prefill(qp=qp, k_packed=k_packed, v_packed=v_packed, cu_q=cu_q, cu_k=cu_k, opts=opts):
+            return reference.varlen_reference(qp, k_packed, v_packed, cu_q, cu_k, softmax_scale=scale, **opts)
+
+        if hasattr(backend, "paged_prefill_attention"):
+
+            def prefill(qp=qp, k_cache=k_cache, v_cache=v_cache, cu_q=cu_q, k_lens=k_lens, table=table,
+                        q_lens=q_lens, cuda_opts=cuda_opts, ref_prefill=ref_prefill):  # fmt: skip
+                out = backend.paged_prefill_attention(
+                    qp.cuda(), k_cache, v_cache, cu_q.cuda(), torch.tensor(k_lens, dtype=torch.int32).cuda(),
+                    table, max(q_lens), softmax_scale=scale, **cuda_opts,
+                )  # fmt: skip
+                return out.cpu(), ref_prefill()
+
+            yield f"paged_prefill[{opt_name}]", prefill
+
+        def varlen(qp=qp, k_packed=k_packed, v_packed=v_packed, cu_q=cu_q, cu_k=cu_k, q_lens=q_lens,
+                   k_lens=k_lens, cuda_opts=cuda_opts, ref_prefill=ref_prefill):  # fmt: skip
+            out = backend.varlen_attention(
+                qp.cuda(), k_packed.cuda(), v_packed.cuda(), cu_q.cuda(), cu_k.cuda(), max(q_lens), max(k_lens),
+                softmax_scale=scale, **cuda_opts,
+            )  # fmt: skip
+            return out.cpu(), ref_prefill()
+
+        yield f"varlen[{opt_name}]", varlen
+
+
+def check_kernels(backends: dict[str, object], name: str, dtype_name: str) -> None:
+    check = f"kernels/{name}/{dtype_name}"
+    backend = backends[name]
+    if isinstance(backend, str):
+        report("SKIPPED", check, f"backend unavailable ({backend})")
+        return
+    dtype = DTYPE_NAMES[dtype_name]
+    tol = TOLERANCE[dtype]
+    worst, worst_case, ran, unsupported, errors = 0.0, "", 0, [], []
+    start = time.perf_counter()
+    for case, run in kernel_cases(backend, dtype):
+        try:
+            out, ref = run()
+        except NotImplementedError as exc:  # e.g. flash-attn: no sinks, no fp32
+            unsupported.append(f"{case} ({exc})")
+            continue
+        except Exception as exc:
+            errors.append(f"{case}: {short_error(exc)}")
+            continue
+        ran += 1
+        err = (out.double() - ref.double()).abs().max().item() if out.numel() else 0.0
+        if not math.isfinite(err) or err > worst:
+            worst, worst_case = err, case
+    elapsed = time.perf_counter() - start
+    if ran == 0 and not errors:
+        report("SKIPPED", check, f"every case unsupported: {unsupported[0] if unsupported else 'none ran'}")
+        return
+    detail = f"{ran} cases, max abs err {worst:.2e} (tol {tol:.0e}, worst {worst_case or '-'}), {elapsed:.1f}s"
+    if unsupported:
+        detail += f"; {len(unsupported)} unsupported, e.g. {unsupported[0]}"
+    if errors:
+        report("FAIL", check, f"{len(errors)} errors, first: {errors[0]}; {detail}")
+    elif not (worst <= tol):
+        report("FAIL", check, detail)
+    else:
+        report("PASS", check, detail)
+
+
+# ----------------------------------------------------------------------------------------------
+# (b) greedy parity of a tiny random Llama
+# ----------------------------------------------------------------------------------------------
+
+# Tolerance rule: the paged model's greedy tokens must equal the sdpa reference's up to the first
+# step where the reference's top-2 logits are within TIE_TOLERANCE of each other. There two correct
+# implementations may pick different tokens through rounding alone (bf16 logits carry ~3 significant
+# digits), and every later token depends on that pick, so the comparison stops there. A mismatch
+# before such a near-tie is a FAIL. The line reports how many steps were compared, so a pass that
+# compared little is visible. (The same rule as vLLM's check_logprobs_close, in spirit.)
+TIE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.05}
+NEW_TOKENS = 32
+
+
+def tiny_llama_dir() -> str:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, max_position_embeddings=1024,
+        # The default init (0.02) keeps the top-2 logit gaps ~10x the bf16 noise (median gap ~0.13 vs
+        # <= 0.011 between bf16 and fp32 logits, measured on CPU); wider inits amplify the noise
+        # faster than the gaps. A small vocabulary widens the gaps (fewer near-ties to stop at).
+        initializer_range=0.02,
+        bos_token_id=1, eos_token_id=None, pad_token_id=0, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    directory = tempfile.mkdtemp(prefix="gpu_check_llama_")
+    model.save_pretrained(directory)
+    return directory
+
+
+def greedy_parity(directory: str, dtype: torch.dtype, candidate: str = "paged", device: str = "cuda") -> str:
+    """Compare ``candidate`` against sdpa; returns the detail line, raises AssertionError on a mismatch."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    vocab = AutoConfig.from_pretrained(directory).vocab_size
+    gen = torch.Generator().manual_seed(1)
+    prompt_lens = [1, 5, 17, 33, 40, 64, 120, 250]
+    prompts = [torch.randint(2, vocab, (n,), generator=gen) for n in prompt_lens]
+
+    # Reference: each prompt alone (no padding), with the raw logits of every step.
+    ref_model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="sdpa", dtype=dtype)
+    ref_model = ref_model.to(device).eval()
+    ref_tokens, ref_gaps = [], []
+    for p in prompts:
+        out = ref_model.generate(
+            input_ids=p[None].to(device), attention_mask=torch.ones(1, len(p), dtype=torch.long, device=device),
+            max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True,
+        )  # fmt: skip
+        ref_tokens.append(out.sequences[0, len(p) :].cpu())
+        top2 = torch.stack(out.logits)[:, 0].float().topk(2, dim=-1).values  # [steps, 2]
+        ref_gaps.append((top2[:, 0] - top2[:, 1]).cpu())
+    del ref_model
+
+    # Candidate: the public API on one left-padded batch, as a user would call it.
+    model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation=candidate, dtype=dtype)
+    model = model.to(device).eval()
+    width = max(prompt_lens)
+    input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    attention_mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        input_ids[i, width - len(p) :] = p
+        attention_mask[i, width - len(p) :] = 1
+    batch = {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device)}
+    out = model.generate(**batch, max_new_tokens=NEW_TOKENS, do_sample=False)
+    sequences = out if isinstance(out, torch.Tensor) else out.sequences
+    new = sequences[:, width:].cpu()  # [B, NEW_TOKENS]
+
+    tol = TIE_TOLERANCE[dtype]
+    compared, total = 0, 0
+    for i, (want, gaps) in enumerate(zip(ref_tokens, ref_gaps, strict=True)):
+        got = new[i, : len(want)]
+        ties = (gaps < tol).nonzero()
+        limit = int(ties[0]) if len(ties) else len(want)  # steps before the first near-tie must match
+        mismatch = (got[:limit] != want[:limit]).nonzero()
+        if len(mismatch):
+            step = int(mismatch[0])
+            raise AssertionError(
+                f"prompt {i} (len {prompt_lens[i]}): token {step} is {int(got[step])}, sdpa gives "
+                f"{int(want[step])} with a top-2 gap of {float(gaps[step]):.3g} (> tie tolerance {tol})"
+            )
+        compared += limit
+        total += len(want)
+    return f"{len(prompts)} prompts x {NEW_TOKENS} tokens, {compared}/{total} steps compared (tie tol {tol})"
+
+
+def check_greedy(dtype_name: str, directory: str | None) -> None:
+    check = f"greedy/{dtype_name}"
+    try:
+        import hf_paged_attn  # noqa: F401 - registers attn_implementation="paged"
+
+        if directory is None:
+            raise RuntimeError("the tiny model could not be built (see above)")
+        start = time.perf_counter()
+        detail = greedy_parity(directory, DTYPE_NAMES[dtype_name])
+        report("PASS", check, f"{detail}, {time.perf_counter() - start:.1f}s")
+    except Exception as exc:  # the engine is young: report, never crash the script
+        report("FAIL", check, short_error(exc))
+        traceback.print_exc(limit=4, file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------------------------
+# (c) decode bandwidth
+# ----------------------------------------------------------------------------------------------
+
+
+def peak_bandwidth(name: str) -> float | None:
+    for key, peak in PEAK_BANDWIDTH:
+        if key.lower() in name.lower():
+            return peak
+    return None
+
+
+def time_cuda(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> float:
+    """Median seconds of ``fn`` over ``iters`` CUDA-event-timed calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def check_bandwidth(backends: dict[str, object], name: str) -> None:
+    check = f"bandwidth/{name}"
+    backend = backends[name]
+    if isinstance(backend, str):
+        report("SKIPPED", check, f"backend unavailable ({backend})")
+        return
+    device_name = torch.cuda.get_device_name()
+    peak = peak_bandwidth(device_name)
+    h_kv, group, d, bs = 8, 4, 128, 256
+    parts = []
+    try:
+        # A large batch (bandwidth bound across requests) and one long request (split-K's case).
+        for batch, ctx in ((64, 4096), (1, 32768)):
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            blocks = batch * ctx // bs
+            k_cache = torch.randn(blocks, bs, h_kv, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+            v_cache = torch.randn_like(k_cache)
+            table = torch.randperm(blocks, device="cuda").int().view(batch, ctx // bs)  # shuffled pages
+            q = torch.randn(batch, 1, h_kv * group, d, device="cuda", dtype=torch.bfloat16)
+            seqlens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")  # k/v None: no append
+
+            def step(q=q, k_cache=k_cache, v_cache=v_cache, seqlens=seqlens, table=table):
+                return backend.paged_decode_attention(
+                    q, k_cache, v_cache, None, None, seqlens, table, softmax_scale=d**-0.5
+                )
+
+            seconds = time_cuda(step)
+            moved = 2 * batch * ctx * h_kv * d * k_cache.element_size()  # K and V bytes read
+            rate = moved / seconds
+            share = f" = {rate / peak:.0%} of {peak / 1e12:.2f} TB/s" if peak else ""
+            parts.append(f"B={batch} ctx={ctx}: {seconds * 1e3:.3f} ms, {rate / 1e12:.2f} TB/s{share}")
+            del k_cache, v_cache
+            torch.cuda.empty_cache()
+    except Exception as exc:
+        report("FAIL", check, short_error(exc) + (f" (after: {'; '.join(parts)})" if parts else ""))
+        return
+    where = device_name if peak else f"{device_name}, peak unknown: absolute only"
+    report("PASS", check, f"bf16 H_kv={h_kv} group={group} D={d} block={bs} on {where}; " + "; ".join(parts))
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default="", help="comma-separated check prefixes (e.g. kernels/triton,greedy)")
+    args = parser.parse_args()
+    wanted = [c for c in CHECKS if not args.only or any(c.startswith(p) for p in args.only.split(","))]
+
+    if not torch.cuda.is_available():
+        for check in wanted:
+            report("SKIPPED", check, "no CUDA device")
+        return 0
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 references and backends stay IEEE fp32
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    backends = load_backends()
+    directory = None
+    if any(c.startswith("greedy") for c in wanted):
+        try:
+            directory = tiny_llama_dir()
+        except Exception as exc:
+            print(f"could not build the tiny Llama: {short_error(exc)}", flush=True)
+    for check in wanted:
+        kind, *rest = check.split("/")
+        try:
+            if kind == "kernels":
+                check_kernels(backends, rest[0], rest[1])
+            elif kind == "greedy":
+                check_greedy(rest[0], directory)
+            else:
+                check_bandwidth(backends, rest[0])
+        except Exception as exc:  # one broken check must not hide the others
+            report("FAIL", check, short_error(exc))
+    print(f"{len(wanted) - len(failures)} passed or skipped, {len(failures)} failed", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

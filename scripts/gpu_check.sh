@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The GPU check: kernel parity, greedy parity of a tiny Llama, decode bandwidth (scripts/gpu_check.py).
+# Under 5 minutes on one H100/H200, no network. Prints one [PASS|FAIL|SKIPPED] line per check; on a
+# machine without CUDA every check is SKIPPED and it exits 0. Extra arguments go to gpu_check.py
+# (e.g. --only kernels/triton).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# The project's venv where there is one (a developer machine); else the python3 that holds a CUDA
+# torch (the GPU machines' image). PYTHON=... overrides both.
+if [[ -n "${PYTHON:-}" ]]; then
+    py="$PYTHON"
+elif [[ -x .venv/bin/python ]]; then
+    py=.venv/bin/python
+else
+    py=python3
+fi
+
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the package from this checkout, installed or not
+export PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1  # the tiny model is built locally: never reach a hub
+exec timeout 300 "$py" scripts/gpu_check.py "$@"

@@ -1,0 +1,353 @@
+"""Triton kernels against the float64 reference, on CPU tensors under the Triton interpreter.
+
+The default selection is a small, derandomised set of property tests (the interpreter runs each
+program in numpy, so it is slow); ``-m slow`` runs many more and larger cases, bf16 included.
+fp32 results agree with the reference to ~1e-6; the tests allow 1e-4 (bf16: 3e-2).
+Under the interpreter the kernels compute their dot products in fp32 even for bf16 inputs (the
+interpreter's bf16 dot is broken), so bf16 here tests storage and masking, not tensor-core maths.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+# Must precede the first `import triton`: the kernels are built as interpreted functions when the
+# backend module is imported with this set (it is also the only way to run Triton without a GPU).
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+import torch  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from hf_paged_attn.kernels import reference  # noqa: E402
+from hf_paged_attn.kernels import triton_backend as tb  # noqa: E402
+
+if not isinstance(tb._decode_kernel, triton.runtime.interpreter.InterpretedFunction):
+    # Another test imported the backend before TRITON_INTERPRET was set: rebuild it interpreted.
+    tb = importlib.reload(tb)
+
+FP32_TOL = 1e-4
+BF16_TOL = 3e-2
+
+FAST = settings(
+    max_examples=20, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
+SLOW = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+# ----------------------------------------------------------------------------------------------
+# Case builders
+# ----------------------------------------------------------------------------------------------
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def make_pages(
+    lens: list[int],
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random pages with room for ``lens[b]`` tokens of request b under a shuffled block table.
+
+    Returns k_cache, v_cache [num_blocks, block_size, H_kv, D] and block_table int32 [B, max_blocks]
+    with at least one trailing -1 column, and spare blocks no request owns (they must never be read).
+    """
+    per_request = [_cdiv(n, block_size) for n in lens]
+    max_blocks = max(per_request, default=0) + 1
+    num_blocks = sum(per_request) + 2
+    order = torch.randperm(num_blocks, generator=gen).int()  # shuffled: logical != physical order
+    table = torch.full((len(lens), max_blocks), -1, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(per_request):
+        table[b, :n] = order[used : used + n]
+        used += n
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    return k_cache, v_cache, table
+
+
+def cumulative(lengths: list[int]) -> torch.Tensor:
+    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    out[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
+    return out
+
+
+def attn_options(draw: st.DrawFn, num_heads: int, gen: torch.Generator, causal_only: bool = True) -> dict:
+    """Window / softcap / sinks / causal as the engine may pass them."""
+    causal = True if causal_only else draw(st.booleans())
+    left = draw(st.sampled_from([-1, -1, 0, 3, 17]))
+    right = -1 if causal_only else draw(st.sampled_from([-1, 0, 2]))
+    softcap = draw(st.sampled_from([0.0, 0.0, 2.5]))
+    sinks = torch.randn(num_heads, generator=gen) * 2 if draw(st.booleans()) else None
+    return dict(causal=causal, window_size=(left, right), softcap=softcap, sinks=sinks)
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str) -> None:
+    err = (out.double() - ref.double()).abs().max().item() if out.numel() else 0.0
+    assert err <= tol, f"{what}: max abs error {err:.3g} > {tol}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Strategies
+# ----------------------------------------------------------------------------------------------
+
+
+@st.composite
+def decode_cases(draw: st.DrawFn, big: bool = False) -> dict:
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    batch = draw(st.integers(1, 4 if not big else 8))
+    num_kv_heads = draw(st.integers(1, 2 if not big else 4))
+    group = draw(st.sampled_from([1, 2, 3, 4] if not big else [1, 3, 4, 8]))
+    head_dim = draw(st.sampled_from([16, 24] if not big else [16, 40, 64, 128]))
+    block_size = draw(st.sampled_from([16, 32] if not big else [16, 32, 64, 128]))
+    max_len = 70 if not big else 400
+    lens = draw(st.lists(st.integers(0, max_len), min_size=batch, max_size=batch))
+    dtype = torch.float32 if not big else draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    return dict(
+        gen=gen, lens=lens, num_kv_heads=num_kv_heads, num_heads=num_kv_heads * group, head_dim=head_dim,
+        block_size=block_size, dtype=dtype,
+        num_splits=draw(st.sampled_from([None, 1, 2, 3, 5])),
+        write_new=draw(st.booleans()),
+        opts=attn_options(draw, num_kv_heads * group, gen, causal_only=True),
+    )  # fmt: skip
+
+
+@st.composite
+def prefill_cases(draw: st.DrawFn, big: bool = False) -> dict:
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    batch = draw(st.integers(1, 3 if not big else 6))
+    num_kv_heads = draw(st.integers(1, 2 if not big else 4))
+    group = draw(st.sampled_from([1, 2, 3] if not big else [1, 3, 4, 8]))
+    head_dim = draw(st.sampled_from([16, 24] if not big else [16, 40, 64, 128]))
+    block_size = draw(st.sampled_from([16, 32] if not big else [16, 32, 64, 128]))
+    # q_lens may be 0 (a request with nothing new this step); prefix = tokens cached before.
+    q_lens = draw(st.lists(st.integers(0, 20 if not big else 150), min_size=batch, max_size=batch))
+    prefix = draw(st.lists(st.integers(0, 40 if not big else 300), min_size=batch, max_size=batch))
+    dtype = torch.float32 if not big else draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    return dict(
+        gen=gen, q_lens=q_lens, prefix=prefix, num_kv_heads=num_kv_heads, num_heads=num_kv_heads * group,
+        head_dim=head_dim, block_size=block_size, dtype=dtype,
+        opts=attn_options(draw, num_kv_heads * group, gen, causal_only=draw(st.booleans())),
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks
+# ----------------------------------------------------------------------------------------------
+
+
+def check_decode(case: dict) -> None:
+    gen, lens, bs = case["gen"], case["lens"], case["block_size"]
+    h, h_kv, d, dtype = case["num_heads"], case["num_kv_heads"], case["head_dim"], case["dtype"]
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    batch = len(lens)
+    # Room for the new token at position lens[b].
+    k_cache, v_cache, table = make_pages([n + 1 for n in lens], bs, h_kv, d, dtype, gen)
+    q = torch.randn(batch, 1, h, d, generator=gen).to(dtype)
+    k_new = torch.randn(batch, 1, h_kv, d, generator=gen).to(dtype)
+    v_new = torch.randn(batch, 1, h_kv, d, generator=gen).to(dtype)
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    for b, n in enumerate(lens):  # where the new token must land
+        expected_k[table[b, n // bs], n % bs] = k_new[b, 0]
+        expected_v[table[b, n // bs], n % bs] = v_new[b, 0]
+    if not case["write_new"]:
+        # The caller wrote the token already; cache_seqlens then counts it (flash-attn semantics).
+        k_cache, v_cache = expected_k.clone(), expected_v.clone()
+        seqlens = seqlens + 1
+    scale = d**-0.5
+    out = tb.paged_decode_attention(
+        q, k_cache, v_cache, k_new if case["write_new"] else None, v_new if case["write_new"] else None,
+        seqlens, table, softmax_scale=scale, num_splits=case["num_splits"], **case["opts"],
+    )  # fmt: skip
+    assert out.shape == q.shape and out.dtype == dtype
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v), "pages written wrongly"
+    for b, n in enumerate(lens):
+        keys = reference.gather_pages(k_cache, table[b], n + 1)  # [n + 1, H_kv, D]
+        values = reference.gather_pages(v_cache, table[b], n + 1)
+        ref = reference.attend_one(q[b], keys, values, softmax_scale=scale, **case["opts"])
+        assert_close(out[b], ref, tol, f"decode request {b} (len {n})")
+
+
+def check_prefill(case: dict, paged: bool) -> None:
+    """The engine's flow: write the step's K/V through a slot mapping, then attend from the pages
+    (paged) or over packed K/V (varlen). Reference K/V are built independently of the pages."""
+    gen, bs = case["gen"], case["block_size"]
+    h, h_kv, d, dtype = case["num_heads"], case["num_kv_heads"], case["head_dim"], case["dtype"]
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    q_lens, prefix = case["q_lens"], case["prefix"]
+    k_lens = [p + n for p, n in zip(prefix, q_lens, strict=True)]
+    k_cache, v_cache, table = make_pages(k_lens, bs, h_kv, d, dtype, gen)
+    cu_q, cu_k = cumulative(q_lens), cumulative(k_lens)
+    q = torch.randn(int(cu_q[-1]), h, d, generator=gen).to(dtype)
+    k_all = torch.randn(int(cu_k[-1]), h_kv, d, generator=gen).to(dtype)  # packed, every key
+    v_all = torch.randn(int(cu_k[-1]), h_kv, d, generator=gen).to(dtype)
+    scale = d**-0.5
+    if paged:
+        slots = torch.cat(
+            [table[b].long()[torch.arange(n) // bs] * bs + torch.arange(n) % bs for b, n in enumerate(k_lens)]
+        )  # [total_k]
+        tb.write_kv(k_all, v_all, k_cache, v_cache, slots)
+        out = tb.paged_prefill_attention(
+            q, k_cache, v_cache, cu_q, torch.tensor(k_lens, dtype=torch.int32), table, max(q_lens),
+            softmax_scale=scale, **case["opts"],
+        )  # fmt: skip
+    else:
+        out = tb.varlen_attention(
+            q, k_all, v_all, cu_q, cu_k, max(q_lens), max(k_lens), softmax_scale=scale, **case["opts"]
+        )
+    ref = reference.varlen_reference(q, k_all, v_all, cu_q, cu_k, softmax_scale=scale, **case["opts"])
+    assert out.shape == q.shape and out.dtype == dtype
+    assert_close(out, ref, tol, f"{'paged prefill' if paged else 'varlen'} q_lens={q_lens} k_lens={k_lens}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Default selection: small and derandomised
+# ----------------------------------------------------------------------------------------------
+
+
+@FAST
+@given(decode_cases())
+def test_decode_matches_reference(case: dict) -> None:
+    check_decode(case)
+
+
+@FAST
+@given(prefill_cases())
+def test_paged_prefill_matches_reference(case: dict) -> None:
+    check_prefill(case, paged=True)
+
+
+@settings(FAST, max_examples=8)
+@given(prefill_cases())
+def test_varlen_matches_reference(case: dict) -> None:
+    check_prefill(case, paged=False)
+
+
+def test_varlen_queries_past_their_keys_output_zeros() -> None:
+    """q_len > k_len: bottom-right causal leaves the first rows with no key; they must be 0, not nan."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(5, 2, 16, generator=gen)
+    k = torch.randn(2, 1, 16, generator=gen)
+    v = torch.randn(2, 1, 16, generator=gen)
+    cu_q, cu_k = cumulative([5]), cumulative([2])
+    out = tb.varlen_attention(q, k, v, cu_q, cu_k, 5, 2, softmax_scale=0.25)
+    assert torch.equal(out[:3], torch.zeros_like(out[:3]))
+    ref = reference.varlen_reference(q, k, v, cu_q, cu_k, softmax_scale=0.25)
+    assert_close(out, ref, FP32_TOL, "q_len > k_len")
+
+
+def test_decode_split_k_with_a_long_context() -> None:
+    """The split-K path on a context of many tiles, uneven splits, with a window and sinks."""
+    case = dict(
+        gen=torch.Generator().manual_seed(1), lens=[300, 5, 129], num_kv_heads=2, num_heads=8, head_dim=32,
+        block_size=16, dtype=torch.float32, num_splits=7, write_new=True,
+        opts=dict(causal=True, window_size=(200, 0), softcap=0.0, sinks=torch.randn(8)),
+    )  # fmt: skip
+    check_decode(case)
+
+
+def test_paged_prefill_long_chunks_with_a_window() -> None:
+    """Several query tiles per request, a prefix of many pages, and a window that skips pages."""
+    case = dict(
+        gen=torch.Generator().manual_seed(4), q_lens=[70, 33], prefix=[50, 0], num_kv_heads=1, num_heads=2,
+        head_dim=16, block_size=16, dtype=torch.float32,
+        opts=dict(causal=True, window_size=(20, -1), softcap=0.0, sinks=None),
+    )  # fmt: skip
+    check_prefill(case, paged=True)
+
+
+def test_bf16_decode_and_prefill() -> None:
+    """bf16 storage (the common GPU case); fp32 accumulation keeps the error at bf16 rounding."""
+    gen = torch.Generator().manual_seed(5)
+    opts = dict(causal=True, window_size=(-1, -1), softcap=2.5, sinks=torch.randn(4, generator=gen))
+    check_decode(dict(
+        gen=gen, lens=[90, 3], num_kv_heads=1, num_heads=4, head_dim=32, block_size=32,
+        dtype=torch.bfloat16, num_splits=2, write_new=True, opts=opts,
+    ))  # fmt: skip
+    check_prefill(dict(
+        gen=gen, q_lens=[9, 20], prefix=[30, 0], num_kv_heads=1, num_heads=4, head_dim=32,
+        block_size=16, dtype=torch.bfloat16, opts=opts,
+    ), paged=True)  # fmt: skip
+
+
+def test_write_kv_skips_negative_slots() -> None:
+    gen = torch.Generator().manual_seed(2)
+    k_cache, v_cache, _ = make_pages([32], 16, 3, 24, torch.float32, gen)
+    k = torch.randn(4, 3, 24, generator=gen)
+    v = torch.randn(4, 3, 24, generator=gen)
+    slots = torch.tensor([5, -1, 17, 0])
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    for i, s in enumerate(slots.tolist()):
+        if s >= 0:
+            expected_k[s // 16, s % 16], expected_v[s // 16, s % 16] = k[i], v[i]
+    tb.write_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+def test_write_kv_accepts_strided_inputs() -> None:
+    """transformers hands K/V over as transposed views: no copy needed, strides are honoured."""
+    gen = torch.Generator().manual_seed(3)
+    k_cache, v_cache, _ = make_pages([32], 16, 2, 16, torch.float32, gen)
+    k = torch.randn(2, 3, 16, generator=gen).transpose(0, 1)  # [3, 2, 16], non-contiguous
+    v = torch.randn(2, 3, 16, generator=gen).transpose(0, 1)
+    tb.write_kv(k, v, k_cache, v_cache, torch.tensor([1, 2, 31], dtype=torch.int32))
+    assert torch.equal(k_cache.view(-1, 2, 16)[[1, 2, 31]], k)
+    assert torch.equal(v_cache.view(-1, 2, 16)[[1, 2, 31]], v)
+
+
+@pytest.mark.parametrize("block_size", [8, 24, 48])
+def test_block_size_must_be_a_power_of_two_from_16(block_size: int) -> None:
+    k_cache = torch.zeros(2, block_size, 1, 16)
+    with pytest.raises(ValueError, match=f"block_size={block_size}"):
+        tb.write_kv(torch.zeros(1, 1, 16), torch.zeros(1, 1, 16), k_cache, k_cache.clone(), torch.tensor([0]))
+    with pytest.raises(ValueError, match=f"block_size={block_size}"):
+        tb.paged_decode_attention(
+            torch.zeros(1, 1, 1, 16), k_cache, k_cache.clone(), None, None,
+            torch.zeros(1, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32), softmax_scale=1.0,
+        )  # fmt: skip
+
+
+def test_import_without_triton_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` raise ImportError
+    monkeypatch.delitem(sys.modules, "hf_paged_attn.kernels.triton_backend")
+    with pytest.raises(ImportError, match="pip install triton"):
+        importlib.import_module("hf_paged_attn.kernels.triton_backend")
+
+
+# ----------------------------------------------------------------------------------------------
+# Slow selection: many more and larger cases, bf16 included
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@SLOW
+@given(decode_cases(big=True))
+def test_decode_matches_reference_slow(case: dict) -> None:
+    check_decode(case)
+
+
+@pytest.mark.slow
+@SLOW
+@given(prefill_cases(big=True))
+def test_paged_prefill_matches_reference_slow(case: dict) -> None:
+    check_prefill(case, paged=True)
+
+
+@pytest.mark.slow
+@settings(SLOW, max_examples=25)
+@given(prefill_cases(big=True))
+def test_varlen_matches_reference_slow(case: dict) -> None:
+    check_prefill(case, paged=False)
