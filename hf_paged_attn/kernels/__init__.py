@@ -61,4 +61,10 @@ def resolve_kernel(kernel: str, device: torch.device) -> str:
 
 def load_backend(kernel: str, device: torch.device) -> ModuleType:
     """Import and return the backend module for ``kernel`` (lazily, so optional deps stay optional)."""
-    return importlib.import_module(_MODULES[resolve_kernel(kernel, device)])
+    name = resolve_kernel(kernel, device)
+    if name == "flash" and not flash_available(device):
+        raise ValueError(
+            f"kernel='flash' needs a CUDA device and flash-attn installed (pip install 'hf-paged-attn[flash]'); "
+            f"the model is on {device.type}"
+        )
+    return importlib.import_module(_MODULES[name])

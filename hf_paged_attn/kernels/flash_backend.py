@@ -216,3 +216,7 @@ def write_kv(
     slots = slot_mapping[keep].long()
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[keep].to(k_cache.dtype))  # [slots, H_kv, D]
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[keep].to(v_cache.dtype))
+
+
+# The engine checks PagedConfig.block_size with this when it is built, before any page exists.
+check_block_size = _check_block_size

@@ -668,3 +668,7 @@ def varlen_attention(
         q, k, v, cu_seqlens_q, cu_seqlens_k, None, int(max_seqlen_q),
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap, sinks=sinks,
     )  # fmt: skip
+
+
+# The engine checks PagedConfig.block_size with this when it is built, before any page exists.
+check_block_size = _check_block_size
