@@ -89,7 +89,7 @@ class ContinuousBatchingEngine:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self._lock = threading.Lock()
         self._incoming: list[Request] = []
-        self._to_abort: set[str] = set()
+        self._to_abort: set[Request] = set()  # the requests themselves: an id may be reused
         self._live: dict[str, Request] = {}
         self._ids = itertools.count()
         self._num_steps = 0
@@ -149,11 +149,12 @@ class ContinuousBatchingEngine:
         """Cancel a request; its blocks are freed at the next step, which emits its final output
         (reason ``"abort"``). Returns False if it had already finished; unknown ids raise ValueError."""
         with self._lock:
-            if request_id not in self._live:
+            request = self._live.get(request_id)
+            if request is None:
                 raise ValueError(f"unknown request_id {request_id!r} (never added, or already finished)")
-            if self._live[request_id].finished:
+            if request.finished:
                 return False
-            self._to_abort.add(request_id)
+            self._to_abort.add(request)
             return True
 
     def _check_prompt(self, input_ids: Sequence[int] | torch.Tensor) -> list[int]:
@@ -216,9 +217,8 @@ class ContinuousBatchingEngine:
         for request in incoming:
             self.scheduler.add(request)
         outputs = []
-        for request_id in to_abort:
-            request = self._live.get(request_id)
-            if request is not None and not request.finished:
+        for request in to_abort:
+            if not request.finished:
                 self.scheduler.remove(request)
                 request.finish("abort")
                 outputs.append(self._emit(request))
@@ -226,11 +226,11 @@ class ContinuousBatchingEngine:
 
     @torch.inference_mode()
     def _run(self, plan: SchedulerOutput) -> list[RequestOutput]:
-        self.cache.copy_blocks(plan.block_copies)
-        meta = build_step(plan.scheduled, self.config.block_size, self.device)
-        meta.backend = self.backend
         forward_start = time.perf_counter()
         try:
+            self.cache.copy_blocks(plan.block_copies)
+            meta = build_step(plan.scheduled, self.config.block_size, self.device)
+            meta.backend = self.backend
             logits = self._forward(meta)
         except Exception as exc:  # one failing step must not take the engine down
             return self._fail([s.request for s in plan.scheduled], exc)
@@ -246,6 +246,9 @@ class ContinuousBatchingEngine:
                 continue
             children = self._fork(request, logits[row : row + 1]) if request.num_children else []
             for r, t in [(request, token), *children]:
+                if isinstance(t, Exception):  # that child's sampling raised: it fails alone
+                    outputs += self._fail([r], t)
+                    continue
                 self._append(r, t)
                 outputs.append(self._emit(r) if r.finished else r.take_output())
         return outputs
@@ -253,10 +256,12 @@ class ContinuousBatchingEngine:
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int | None], list[RequestOutput]]:
         """Tokens for ``requests``; a request whose sampling raises (e.g. a custom logits
         processor) fails alone, with its token None, and the others go on."""
+        recorded = [(r.scores, r.logits) for r in requests]
         try:
             return sample_tokens(logits, requests, self.generator), []
-        except Exception:
-            pass
+        except Exception:  # undo what the rows before the failing one recorded; retry row by row
+            for request, (scores, raw) in zip(requests, recorded):
+                request.scores, request.logits = scores, raw
         tokens: list[int | None] = []
         failed: list[RequestOutput] = []
         for row, request in enumerate(requests):
@@ -283,9 +288,9 @@ class ContinuousBatchingEngine:
             logits = logits[meta.logits_indices]
         return logits.float()
 
-    def _fork(self, parent: Request, logits: torch.Tensor) -> list[tuple[Request, int]]:
+    def _fork(self, parent: Request, logits: torch.Tensor) -> list[tuple[Request, int | Exception]]:
         """num_return_sequences: children share the parent's blocks (copy-on-write) and draw their
-        own first token from the same logits."""
+        own first token from the same logits (or carry the exception their sampling raised)."""
         children = []
         for i in range(1, parent.num_children + 1):
             child = Request(
@@ -305,7 +310,11 @@ class ContinuousBatchingEngine:
                 child.logits = child.logits[:-1] or None
             self._live[child.request_id] = child
             self.scheduler.add_running(child)
-            (token,) = sample_tokens(logits, [child], self.generator)
+            try:
+                (token,) = sample_tokens(logits, [child], self.generator)
+            except Exception as exc:
+                children.append((child, exc))
+                continue
             children.append((child, token))
         parent.num_children = 0
         return children
@@ -356,7 +365,16 @@ class ContinuousBatchingEngine:
             limits = list(max_new_tokens)
         else:
             limits = [max_new_tokens] * len(prompts)
-        ids = [self.add_request(p, n, generation_config) for p, n in zip(prompts, limits)]
+        ids: list[str] = []
+        try:
+            for p, n in zip(prompts, limits):
+                ids.append(self.add_request(p, n, generation_config))
+        except Exception:  # refuse the whole batch: withdraw the prompts already queued
+            with self._lock:
+                self._incoming = [r for r in self._incoming if r.request_id not in ids]
+                for rid in ids:
+                    self._live.pop(rid, None)
+            raise
         finals: dict[str, RequestOutput] = {}
         total = sum(int((generation_config or self.generation_config).num_return_sequences or 1) for _ in ids)
         with self._progress(total, progress_bar) as bar:
