@@ -7,7 +7,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList
@@ -17,36 +16,11 @@ from .blocks import BlockAllocator
 from .cache import PagedAttentionCache, bytes_per_block, free_memory_bytes
 from .config import PagedConfig
 from .kernels import load_backend
-from .request import Request, RequestOutput
+from .request import Request, RequestOutput, validate_prompt
 from .sampling import make_sampling_params, sample_tokens
 from .scheduler import Scheduler, SchedulerOutput, blocks_for
+from .stats import EngineStats
 from .support import check_model_supported
-
-
-@dataclass(slots=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_blocks: int
-    num_free_blocks: int
-    peak_used_blocks: int
-    num_preemptions: int
-    num_steps: int
-    num_generated_tokens: int
-    tokens_per_second: float
-    busy_seconds: float  # inside step()
-    forward_seconds: float  # inside the model forward (the rest is the engine's own overhead)
-    kv_waste_at_peak: float  # reserved but unfilled slots / reserved slots, when most blocks were used
-    num_prompt_tokens: int  # of admitted requests
-    num_cached_tokens: int  # prompt tokens served from the prefix cache
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.num_cached_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
-
-    @property
-    def cache_usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks
 
 
 class ContinuousBatchingEngine:
@@ -109,7 +83,9 @@ class ContinuousBatchingEngine:
         logits_processor: LogitsProcessorList | None = None,
     ) -> str:
         """Queue one prompt; returns its request id. Bad input raises ValueError and queues nothing."""
-        prompt = self._check_prompt(input_ids)
+        prompt = validate_prompt(
+            input_ids, self.model.config.get_text_config().vocab_size, self.max_position_embeddings
+        )
         config = generation_config or self.generation_config
         if max_new_tokens is None:
             max_new_tokens = config.max_new_tokens
@@ -156,31 +132,6 @@ class ContinuousBatchingEngine:
                 return False
             self._to_abort.add(request)
             return True
-
-    def _check_prompt(self, input_ids: Sequence[int] | torch.Tensor) -> list[int]:
-        if isinstance(input_ids, torch.Tensor):
-            if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
-                raise ValueError(f"input_ids must hold integers, got dtype {input_ids.dtype}")
-            if input_ids.dim() == 2 and input_ids.shape[0] == 1:
-                input_ids = input_ids[0]
-            if input_ids.dim() != 1:
-                raise ValueError(f"input_ids must be one prompt (1-D), got shape {tuple(input_ids.shape)}")
-            input_ids = input_ids.tolist()
-        prompt = list(input_ids)
-        if not prompt:
-            raise ValueError("input_ids is empty: a prompt needs at least one token")
-        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int)]
-        if bad:
-            raise ValueError(f"input_ids must be ints, got {bad[0]!r}")
-        vocab = self.model.config.get_text_config().vocab_size
-        out_of_range = [t for t in prompt if not 0 <= t < vocab]
-        if out_of_range:
-            raise ValueError(f"token id {out_of_range[0]} is outside the vocabulary [0, {vocab})")
-        if self.max_position_embeddings and len(prompt) > self.max_position_embeddings:
-            raise ValueError(
-                f"prompt of {len(prompt)} tokens is longer than max_position_embeddings={self.max_position_embeddings}"
-            )
-        return prompt
 
     # ----------------------------------------------------------------------------- the loop
     def has_unfinished(self) -> bool:

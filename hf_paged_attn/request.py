@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,3 +99,35 @@ class Request:
         )
         self.new_ids = []
         return out
+
+
+def validate_prompt(
+    input_ids: Sequence[int] | Any, vocab_size: int, max_positions: int | None
+) -> list[int]:
+    """One prompt as a list of token ids, or ValueError naming what is wrong with it.
+
+    ``input_ids`` may be a 1-D (or [1, n]) torch tensor; it is duck-typed so that this module and
+    the scheduler above it stay free of torch.
+    """
+    if hasattr(input_ids, "dim") and hasattr(input_ids, "tolist"):  # a torch tensor
+        if input_ids.is_floating_point() or input_ids.is_complex() or str(input_ids.dtype) == "torch.bool":
+            raise ValueError(f"input_ids must hold integers, got dtype {input_ids.dtype}")
+        if input_ids.dim() == 2 and input_ids.shape[0] == 1:
+            input_ids = input_ids[0]
+        if input_ids.dim() != 1:
+            raise ValueError(f"input_ids must be one prompt (1-D), got shape {tuple(input_ids.shape)}")
+        input_ids = input_ids.tolist()
+    prompt = list(input_ids)
+    if not prompt:
+        raise ValueError("input_ids is empty: a prompt needs at least one token")
+    bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int)]
+    if bad:
+        raise ValueError(f"input_ids must be ints, got {bad[0]!r}")
+    out_of_range = [t for t in prompt if not 0 <= t < vocab_size]
+    if out_of_range:
+        raise ValueError(f"token id {out_of_range[0]} is outside the vocabulary [0, {vocab_size})")
+    if max_positions and len(prompt) > max_positions:
+        raise ValueError(
+            f"prompt of {len(prompt)} tokens is longer than max_position_embeddings={max_positions}"
+        )
+    return prompt
