@@ -9,10 +9,21 @@ request's K/V, the varlen kernel attends over them). Without metadata, e.g. a pl
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
 from .batch import StepMetadata
+from .cache import ACTIVE_STEP, pad_head_dim
+from .support import check_attention_call
+
+
+@dataclass(frozen=True, slots=True)
+class PagedWindow:
+    """The "paged" mask of a sliding-window layer inside a step: no tensor, only the window."""
+
+    size: int
 
 
 def paged_attention_forward(
@@ -29,17 +40,24 @@ def paged_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention signature. query: [1, H, N, D]; key/value: [1, H_kv, K, D] as returned
-    by ``PagedAttentionCache.update``. Returns ([1, N, H, D], None)."""
-    meta: StepMetadata | None = kwargs.get("paged_metadata")
+    by ``PagedAttentionCache.update`` (``check_attention_call`` refuses anything else). The step comes
+    from the ``paged_metadata`` kwarg, or from ``ACTIVE_STEP`` for models whose decoder layers drop
+    kwargs. Returns ([1, N, H, D_v], None)."""
+    meta: StepMetadata | None = kwargs.get("paged_metadata") or ACTIVE_STEP.get()
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if meta is None:
         return plain_attention(module, query, key, value, attention_mask, dropout, scale, softcap, s_aux, **kwargs)
+    if isinstance(attention_mask, PagedWindow):
+        sliding_window, attention_mask = sliding_window or attention_mask.size, None
+    layer = check_attention_call(module, key, value, attention_mask, meta)
+    value_dim = value.shape[-1]
+    if query.shape[-1] != layer.width or value_dim != layer.width:  # K and V head dims differ (latent attention)
+        query, key, value = (pad_head_dim(t, layer.width) for t in (query, key, value))
 
     window = (sliding_window - 1, sliding_window - 1) if sliding_window else (-1, -1)
     options = dict(softmax_scale=scale, causal=True, window_size=window, softcap=softcap or 0.0, sinks=s_aux)
     q = query[0].transpose(0, 1)  # [N, H, D]
     if meta.is_decode:
-        layer = meta.cache.layers[module.layer_idx]
         out = meta.backend.paged_decode_attention(
             q.unsqueeze(1),  # [B, 1, H, D]: one token per request
             layer.keys,
@@ -61,7 +79,7 @@ def paged_attention_forward(
             meta.max_length_k,
             **options,
         )
-    return out.unsqueeze(0), None  # [1, N, H, D]
+    return out[..., :value_dim].unsqueeze(0), None  # [1, N, H, D_v]
 
 
 def plain_attention(

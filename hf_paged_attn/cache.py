@@ -9,6 +9,8 @@ allocator and a single block table serve the whole model.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -17,36 +19,56 @@ from transformers.cache_utils import CacheLayerMixin
 
 from .batch import StepMetadata
 
+# The step running in this thread, for the attention function of models whose decoder layers don't
+# forward **kwargs (Nemotron), so that the ``paged_metadata`` forward kwarg never reaches it.
+ACTIVE_STEP: contextvars.ContextVar[StepMetadata | None] = contextvars.ContextVar("paged_step", default=None)
+
+
+def pad_head_dim(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x`` with its last (head) dim zero-padded to ``width``. Zero query/key columns leave q·k
+    unchanged and zero value columns give zero output columns, so padding is exact."""
+    return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+
 
 class PagedLayer(CacheLayerMixin):
-    """One layer's pages. ``keys``/``values``: [num_blocks, block_size, num_kv_heads, head_dim]."""
+    """One layer's pages. ``keys``/``values``: [num_blocks, block_size, num_kv_heads, width], where
+    ``width`` is the larger of the key and value head dims (equal in most models)."""
 
     def __init__(self, num_blocks: int, block_size: int, is_sliding: bool = False) -> None:
         super().__init__()
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.is_sliding = is_sliding
+        # Weak references to the K/V that the last update returned: the attention function checks
+        # that it got exactly these (support.check_attention_call) without keeping them alive.
+        self.returned: tuple[weakref.ref, weakref.ref] | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         # key_states: [batch, num_kv_heads, seq, head_dim] as transformers' attention modules give them
-        _, num_kv_heads, _, head_dim = key_states.shape
-        v_head_dim = value_states.shape[-1]
-        shape = (self.num_blocks, self.block_size, num_kv_heads)
-        self.keys = torch.zeros(*shape, head_dim, dtype=key_states.dtype, device=key_states.device)
-        self.values = torch.zeros(*shape, v_head_dim, dtype=value_states.dtype, device=value_states.device)
+        _, num_kv_heads, _, self.key_dim = key_states.shape
+        self.value_dim = value_states.shape[-1]
+        # K and V pages share one width, the larger head dim (zero-padded): flash-attn and the decode
+        # kernels need equal head dims, and models with latent attention (DeepSeek, MiMo) differ.
+        shape = (self.num_blocks, self.block_size, num_kv_heads, max(self.key_dim, self.value_dim))
+        self.keys = torch.zeros(shape, dtype=key_states.dtype, device=key_states.device)
+        self.values = torch.zeros(shape, dtype=value_states.dtype, device=value_states.device)
         self.device = key_states.device
         self.is_initialized = True
 
+    @property
+    def width(self) -> int:
+        return self.keys.shape[-1]
+
     def write(self, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
         """key/value: [N, num_kv_heads, head_dim] written at flat slots [N]."""
-        self.keys.view(-1, *self.keys.shape[2:]).index_copy_(0, slots, key)  # [num_slots, H_kv, D]
-        self.values.view(-1, *self.values.shape[2:]).index_copy_(0, slots, value)
+        self.keys.view(-1, *self.keys.shape[2:]).index_copy_(0, slots, pad_head_dim(key, self.width))
+        self.values.view(-1, *self.values.shape[2:]).index_copy_(0, slots, pad_head_dim(value, self.width))
 
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The K/V at flat ``slots`` [K], packed: two [K, num_kv_heads, head_dim] tensors."""
+        """The K/V at flat ``slots`` [K], packed: [K, num_kv_heads, key_dim] and [K, num_kv_heads, value_dim]."""
         keys = self.keys.view(-1, *self.keys.shape[2:]).index_select(0, slots)
         values = self.values.view(-1, *self.values.shape[2:]).index_select(0, slots)
-        return keys, values
+        return keys[..., : self.key_dim], values[..., : self.value_dim]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         raise RuntimeError("PagedLayer is written through PagedAttentionCache.update")
@@ -84,15 +106,23 @@ class PagedAttentionCache(Cache):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.metadata: StepMetadata | None = None
+        # The layer of the last update: the attention call that follows reads its pages. Not the
+        # module's layer_idx, which some models offset (HRM reuses layers across recurrent cycles).
+        self.last_layer: PagedLayer | None = None
 
     @contextlib.contextmanager
     def step(self, metadata: StepMetadata) -> Iterator[StepMetadata]:
         metadata.cache = self
         self.metadata = metadata
+        token = ACTIVE_STEP.set(metadata)
         try:
             yield metadata
         finally:
+            ACTIVE_STEP.reset(token)
             self.metadata = None
+            self.last_layer = None
+            for layer in self.layers:
+                layer.returned = None
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
@@ -107,12 +137,15 @@ class PagedAttentionCache(Cache):
         layer = self.layers[layer_idx]
         if not layer.is_initialized:
             layer.lazy_initialization(key_states, value_states)
-        if meta.is_decode:
-            return key_states, value_states
-        assert key_states.shape[0] == 1, f"paged steps pack every request in batch row 0, got {key_states.shape}"
-        layer.write(key_states[0].transpose(0, 1), value_states[0].transpose(0, 1), meta.slot_mapping)
-        keys, values = layer.gather(meta.gather_slots)  # [K, H_kv, D] each
-        return keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)  # [1, H_kv, K, D]
+        if not meta.is_decode:
+            assert key_states.shape[0] == 1, f"paged steps pack every request in batch row 0, got {key_states.shape}"
+            layer.write(key_states[0].transpose(0, 1), value_states[0].transpose(0, 1), meta.slot_mapping)
+            keys, values = layer.gather(meta.gather_slots)  # [K, H_kv, D] each
+            key_states = keys.transpose(0, 1).unsqueeze(0)  # [1, H_kv, K, D]
+            value_states = values.transpose(0, 1).unsqueeze(0)
+        layer.returned = (weakref.ref(key_states), weakref.ref(value_states))
+        self.last_layer = layer
+        return key_states, value_states
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block ``dst`` becomes a copy of block ``src`` in every layer."""

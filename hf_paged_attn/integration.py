@@ -12,20 +12,22 @@ import functools
 from transformers import AttentionInterface, GenerationMixin
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .attention import paged_attention_forward
+from .attention import PagedWindow, paged_attention_forward
 
 NAME = "paged"  # never "paged|...": transformers reserves that prefix for its own engine
 
 
-def paged_mask(*args, kv_length: int, **kwargs):
-    """Mask function for ``"paged"``: none inside an engine step, sdpa's everywhere else.
+def paged_mask(*args, kv_length: int, local_size: int | None = None, **kwargs):
+    """Mask function for ``"paged"``: no tensor inside an engine step, sdpa's everywhere else.
 
     ``PagedAttentionCache.get_mask_sizes`` reports ``kv_length == 0`` (never a real length: the
     keys include the queries) because the kernels mask by ``cu_seqlens`` / ``cache_seqlens``.
+    A sliding-window mask still passes its window on (``PagedWindow``): some models (PhiMoE) set
+    the window only through the mask, not through the attention call's ``sliding_window``.
     """
     if kv_length == 0:
-        return None
-    return sdpa_mask(*args, kv_length=kv_length, **kwargs)
+        return PagedWindow(local_size) if local_size else None
+    return sdpa_mask(*args, kv_length=kv_length, local_size=local_size, **kwargs)
 
 
 def register() -> str:

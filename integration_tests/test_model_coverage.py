@@ -1,0 +1,79 @@
+"""Model coverage: a representative slice of the compatibility matrix, through the same code as
+``python -m hf_paged_attn.compat`` (tiny random model saved and reloaded, ragged left-padded greedy
+generate compared with sdpa/eager). The full matrix is the slow test at the bottom."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from transformers import BertConfig, BertLMHeadModel
+
+from hf_paged_attn import support
+from hf_paged_attn.compat import candidates, check_model
+
+PASSING = {
+    "llama": "grouped-query attention, head_dim 32 != hidden 64 / 4 heads",
+    "mistral": "one sliding window (8) on every layer",
+    "gemma2": "attention softcap + alternating sliding/full layers (eager reference)",
+    "qwen2": "q/k/v bias",
+    "gpt_oss": "attention sinks (s_aux), alternating windows, MoE (eager reference)",
+    "qwen2_moe": "mixture of experts with a shared expert",
+    "mimo_v2_flash": "value head dim != query/key head dim (pages zero-padded)",
+    "phimoe": "sliding window given only through the mask, not the attention call",
+    "nemotron": "decoder layers drop **kwargs: the step reaches attention through the cache",
+}
+
+REFUSED = {  # model type -> words the reason must contain
+    "minimax": "linear_attention layers",
+    "llama4_text": "chunked attention",
+    "deepseek_v3": "multi-head latent attention",
+    "diffllama": "differential attention",
+}
+
+
+@pytest.mark.parametrize("model_type", list(PASSING))
+def test_passes(model_type):
+    result = check_model(model_type, timeout=120)
+    assert result.result == "pass", f"{model_type} ({PASSING[model_type]}): {result.note}"
+
+
+@pytest.mark.parametrize("model_type", list(REFUSED))
+def test_refused_up_front(model_type):
+    result = check_model(model_type, timeout=120)
+    assert result.result == "refused", result.note
+    assert result.class_name in result.note and f"model_type {model_type!r}" in result.note
+    assert "is not supported by the paged engine" in result.note
+    assert REFUSED[model_type] in result.note
+    assert not result.note.startswith("at the first step")  # refused before any step ran
+
+
+def test_unknown_incompatibility_is_caught_at_the_first_step(monkeypatch):
+    # Without its entry in KNOWN_UNSUPPORTED, DiffLlama (which splits and repeats V after
+    # cache.update) passes every up-front check; the per-call guard must refuse it at its first
+    # step instead of letting the decode kernel read other values than the model's.
+    monkeypatch.delitem(support.KNOWN_UNSUPPORTED, "diffllama")
+    result = check_model("diffllama", timeout=120)
+    assert result.result == "refused", result.note
+    assert result.note.startswith("at the first step: DiffLlamaAttention (model_type 'diffllama')")
+    assert "does not use the K/V that PagedAttentionCache.update returned" in result.note
+
+
+def test_bidirectional_attention_is_refused():
+    # BERT as a causal LM needs is_decoder=True; without it its self-attention sees later tokens.
+    sizes = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    with pytest.raises(support.UnsupportedModelError, match=r"BertLMHeadModel .*BertSelfAttention is bidirectional"):
+        support.check_model_supported(BertLMHeadModel(BertConfig(**sizes)))
+    support.check_model_supported(BertLMHeadModel(BertConfig(**sizes, is_decoder=True)))
+
+
+@pytest.mark.slow
+def test_full_matrix_matches_docs():
+    """The whole matrix still gives what docs/compatibility.md records (regenerate it if not)."""
+    doc = Path(__file__).resolve().parents[1] / "docs" / "compatibility.md"
+    recorded = dict(re.findall(r"^\| `([^`]+)` \| `[^`]+` \| (\w+) \|", doc.read_text(), flags=re.M))
+    assert set(recorded) == set(candidates())
+    measured = {t: check_model(t) for t in recorded}
+    changed = {t: (recorded[t], r.result, r.note) for t, r in measured.items() if r.result != recorded[t]}
+    assert not changed, changed
