@@ -34,7 +34,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from . import register
 from .config import PagedConfig
 from .support import UnsupportedModelError, check_config_supported, check_model_supported
-from .testing import compare_greedy, unpadded_rows
+from .testing import compare_greedy, left_padded, unpadded_rows
 from .tiny_configs import VOCAB, tiny_config
 
 PROMPT_LENGTHS = (5, 11, 17, 23)  # ragged, all but one longer than the tiny sliding window
@@ -96,16 +96,6 @@ def _model_class(name: str) -> type:
 def prompts(seed: int = 0) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
-
-
-def left_padded(rows: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, rows))
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row) :] = torch.tensor(row)
-        mask[i, width - len(row) :] = 1
-    return ids, mask
 
 
 def _first_line(exc: BaseException) -> str:

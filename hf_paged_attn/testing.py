@@ -11,7 +11,37 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedConfig
+
+
+def tiny_llama_config(**overrides) -> LlamaConfig:
+    """A 2-layer GQA Llama (vocab 256) whose random greedy tokens vary; no EOS by default."""
+    values = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.1,  # larger weights than default so greedy tokens vary
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    values.update(overrides)
+    return LlamaConfig(**values)
+
+
+def left_padded(rows: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) of ``rows`` left-padded to the longest, as tokenizers do."""
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :] = torch.tensor(row)
+        mask[i, width - len(row) :] = 1
+    return ids, mask
 
 
 def save_random_model(config: PreTrainedConfig, directory: str | Path | None = None, seed: int = 0) -> str:

@@ -5,30 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
 import hf_paged_attn  # noqa: F401  (registers "paged")
-from hf_paged_attn.testing import load_pair, save_random_model
+from hf_paged_attn.testing import load_pair, save_random_model, tiny_llama_config
 
 VOCAB = 256
-
-
-def tiny_llama_config(**overrides) -> LlamaConfig:
-    values = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.1,  # larger weights than default so greedy tokens vary
-        pad_token_id=0,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    values.update(overrides)
-    return LlamaConfig(**values)
 
 
 @pytest.fixture(scope="session")
@@ -45,16 +26,6 @@ def ragged_prompts(num: int, low: int, high: int, seed: int = 0) -> list[list[in
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(low, high + 1, (num,), generator=gen).tolist()
     return [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in lengths]
-
-
-def left_padded(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p) :] = torch.tensor(p)
-        mask[row, width - len(p) :] = 1
-    return ids, mask
 
 
 def right_padded(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

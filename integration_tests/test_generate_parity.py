@@ -7,9 +7,9 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
-from hf_paged_attn.testing import compare_greedy, unpadded_rows
+from hf_paged_attn.testing import compare_greedy, left_padded, unpadded_rows
 
-from .conftest import left_padded, ragged_prompts, reference_greedy, right_padded
+from .conftest import ragged_prompts, reference_greedy, right_padded
 
 NEW = 48
 

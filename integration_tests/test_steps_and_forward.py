@@ -6,8 +6,9 @@ import torch
 
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
 from hf_paged_attn.batch import build_step
+from hf_paged_attn.testing import left_padded
 
-from .conftest import left_padded, ragged_prompts
+from .conftest import ragged_prompts
 
 
 def run_step(engine: ContinuousBatchingEngine):

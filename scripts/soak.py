@@ -28,12 +28,11 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
-from transformers import LlamaConfig
 
 import hf_paged_attn  # noqa: F401  (registers attn_implementation="paged")
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
 from hf_paged_attn.request import RequestOutput
-from hf_paged_attn.testing import compare_greedy, load_pair, save_random_model
+from hf_paged_attn.testing import compare_greedy, load_pair, save_random_model, tiny_llama_config
 
 VOCAB = 256
 
@@ -69,21 +68,8 @@ class SoakReport:
 
 
 def tiny_llama_dir(directory: str) -> str:
-    """A 2-layer random Llama (vocab 256) saved with save_pretrained into ``directory``."""
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.1,  # larger weights than default so greedy tokens vary
-        pad_token_id=0,
-        bos_token_id=None,
-        eos_token_id=None,  # every request runs to max_new_tokens unless aborted
-    )
-    return save_random_model(config, directory)
+    """A 2-layer random Llama (vocab 256, no EOS: requests run to max_new_tokens unless aborted)."""
+    return save_random_model(tiny_llama_config(vocab_size=VOCAB), directory)
 
 
 def make_workload(rng: random.Random, num_requests: int, max_prompt: int, max_new: int) -> list[tuple[list[int], int]]:
