@@ -162,13 +162,23 @@ def test_requests_added_from_threads_while_streaming(llama_pair):
         ([1, 2], {"max_new_tokens": 0}, "positive"),
         ([1, 2], {"max_new_tokens": -3}, "positive"),
         ([1, 2], {"max_new_tokens": 500}, "blocks"),
+        ([1, 2], {"max_new_tokens": 2.5}, "positive int"),
+        ([1, 2], {"max_new_tokens": True}, "positive int"),
+        ([True, 2], {}, "must be ints"),
+        ("hello", {}, "must be ints"),
+        (torch.tensor([[1, 2], [3, 4]]), {}, "1-D"),
+        (torch.tensor([True, False]), {}, "dtype"),
+        ([1, 2], {"request_id": "taken"}, "already in use"),
+        ([1, 2], {"generation_config": GenerationConfig(num_beams=2)}, "beam_search"),
+        ([1, 2], {"generation_config": GenerationConfig(stop_strings=["x"])}, "stop_strings"),
     ],
 )
 def test_bad_input_raises_and_engine_keeps_serving(llama_pair, prompt, kwargs, message):
     ref, paged = llama_pair
     engine = ContinuousBatchingEngine(paged, PagedConfig(block_size=4, num_blocks=32))
-    good = engine.add_request([3, 4, 5], max_new_tokens=5)
-    with pytest.raises(ValueError, match=message):
+    good = engine.add_request([3, 4, 5], max_new_tokens=5, request_id="taken")
+    error = NotImplementedError if "generation_config" in kwargs else ValueError
+    with pytest.raises(error, match=message):
         engine.add_request(prompt, **kwargs)
     outs = [o for o in engine.stream() if o.finished]
     assert [o.request_id for o in outs] == [good]
