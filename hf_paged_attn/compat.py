@@ -103,7 +103,9 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
 
 
-def _parity(model_type: str, class_name: str, directory: str) -> tuple[str, str]:
+def _parity(
+    model_type: str, class_name: str, directory: str, paged_configs: tuple[PagedConfig, ...]
+) -> tuple[str, str]:
     """(result, note) of one architecture; exceptions propagate to ``check_model``."""
     model_class = _model_class(class_name)
     reference = "sdpa" if model_class._supports_sdpa else "eager"
@@ -123,10 +125,12 @@ def _parity(model_type: str, class_name: str, directory: str) -> tuple[str, str]
             break
     else:
         return "fail", f"degenerate reference ({distinct} distinct tokens)"
-    actual = unpadded_rows(paged.generate(**generate_kwargs, paged_config=PAGED_CONFIG), ids.shape[1])
-    problems = compare_greedy(ref, batch, expected, actual)
-    if problems:
-        return "fail", f"parity vs {reference}: {problems[0]} ({len(problems)}/{len(batch)} rows differ)"
+    for paged_config in paged_configs:
+        actual = unpadded_rows(paged.generate(**generate_kwargs, paged_config=paged_config), ids.shape[1])
+        problems = compare_greedy(ref, batch, expected, actual)
+        if problems:
+            where = f"block_size {paged_config.block_size}, budget {paged_config.max_batch_tokens}"
+            return "fail", f"parity vs {reference} ({where}): {problems[0]} ({len(problems)}/{len(batch)} rows differ)"
     return "pass", f"vs {reference}, {distinct} distinct tokens, initializer_range {initializer_range}"
 
 
@@ -143,15 +147,17 @@ def _load(model_class: type, directory: str, attn: str) -> torch.nn.Module:
     return model_class.from_pretrained(directory, attn_implementation=attn, dtype=torch.float32).eval()
 
 
-def check_model(model_type: str, timeout: float = 60.0) -> CompatResult:
-    """Build, save, reload and compare one architecture; never raises."""
+def check_model(
+    model_type: str, timeout: float = 60.0, paged_configs: tuple[PagedConfig, ...] = (PAGED_CONFIG,)
+) -> CompatResult:
+    """Build, save, reload and compare one architecture under each of ``paged_configs``; never raises."""
     register()
     class_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=f"compat_{model_type}_") as directory:
         try:
             with _time_limit(timeout):
-                result, note = _parity(model_type, class_name, directory)
+                result, note = _parity(model_type, class_name, directory, paged_configs)
         except UnsupportedModelError as exc:
             result, note = "refused", str(exc)
         except _Timeout:

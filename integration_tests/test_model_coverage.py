@@ -10,11 +10,18 @@ from pathlib import Path
 import pytest
 from transformers import BertConfig, BertLMHeadModel
 
-from hf_paged_attn import support
+from hf_paged_attn import PagedConfig, support
 from hf_paged_attn.compat import candidates, check_model
 
 PASSING = {
     "llama": "grouped-query attention, head_dim 32 != hidden 64 / 4 heads",
+    "qwen3": "q/k norms",
+    "gemma3_text": "alternating sliding/full layers, q/k norms",
+    "phi3": "fused qkv projection, partial rotary",
+    "mixtral": "mixture of experts, sliding window",
+    "olmo2": "q/k norms after projection",
+    "cohere2": "alternating sliding layers without rotary on full layers",
+    "gpt_neox": "parallel attention + MLP, partial rotary",
     "mistral": "one sliding window (8) on every layer",
     "gemma2": "attention softcap + alternating sliding/full layers (eager reference)",
     "qwen2": "q/k/v bias",
@@ -35,7 +42,10 @@ REFUSED = {  # model type -> words the reason must contain
 
 @pytest.mark.parametrize("model_type", list(PASSING))
 def test_passes(model_type):
-    result = check_model(model_type, timeout=120)
+    # block size 16 (one block spans the whole window), then a budget of 5 tokens per step: every
+    # prompt is prefilled in chunks that cross the sliding-window boundary, and decode runs far past it
+    configs = (PagedConfig(block_size=16), PagedConfig(block_size=4, max_batch_tokens=5))
+    result = check_model(model_type, timeout=120, paged_configs=configs)
     assert result.result == "pass", f"{model_type} ({PASSING[model_type]}): {result.note}"
 
 
@@ -77,3 +87,26 @@ def test_full_matrix_matches_docs():
     measured = {t: check_model(t) for t in recorded}
     changed = {t: (recorded[t], r.result, r.note) for t, r in measured.items() if r.result != recorded[t]}
     assert not changed, changed
+
+
+def test_preemption_of_a_sliding_window_model(tmp_path):
+    """Preempted requests of a sliding-window model recompute the right window and match sdpa."""
+    import torch
+    from transformers import MistralConfig
+
+    from hf_paged_attn import ContinuousBatchingEngine
+    from hf_paged_attn.testing import load_pair, save_random_model, tiny_llama_config
+
+    base = tiny_llama_config().to_dict()
+    for key in ("model_type", "architectures", "transformers_version"):
+        base.pop(key, None)
+    config = MistralConfig(**{**base, "sliding_window": 8, "head_dim": 16})
+    ref, paged = load_pair(save_random_model(config, tmp_path))
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 256, (n,), generator=gen).tolist() for n in (11, 17, 20, 14)]
+    engine = ContinuousBatchingEngine(paged, PagedConfig(block_size=4, num_blocks=14))
+    outs = engine.generate(prompts, max_new_tokens=24)
+    assert engine.stats.num_preemptions > 0
+    for prompt, out in zip(prompts, outs):
+        want = ref.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt) :]
+        assert out.output_ids == want.tolist()
