@@ -327,7 +327,7 @@ class ContinuousBatchingEngine:
                     self._live.pop(rid, None)
             raise
         finals: dict[str, RequestOutput] = {}
-        total = sum(int((generation_config or self.generation_config).num_return_sequences or 1) for _ in ids)
+        total = len(ids) * int((generation_config or self.generation_config).num_return_sequences or 1)
         with self._progress(total, progress_bar) as bar:
             for output in self.stream():
                 if output.finished:

@@ -49,8 +49,10 @@ def paged_generate(
     if input_ids.dim() == 1:
         input_ids = input_ids.unsqueeze(0)
     attention_mask = model_kwargs.pop("attention_mask", None)
-    model_kwargs.pop("use_cache", None)
-    model_kwargs.pop("cache", None) or model_kwargs.pop("past_key_values", None)
+    model_kwargs.pop("use_cache", None)  # the engine always caches, in its own PagedAttentionCache
+    for name in ("cache", "past_key_values"):
+        if model_kwargs.pop(name, None) is not None:
+            raise NotImplementedError(f"{name}= is not supported: the paged engine builds its own cache")
     if model_kwargs:
         raise NotImplementedError(f"model inputs {sorted(model_kwargs)} are not supported by the paged engine")
     if streamer is not None and input_ids.shape[0] != 1:
