@@ -50,6 +50,7 @@ def paged_attention_forward(
     if isinstance(attention_mask, PagedWindow):
         sliding_window, attention_mask = sliding_window or attention_mask.size, None
     layer = check_attention_call(module, key, value, attention_mask, meta)
+    layer.window = sliding_window  # what this layer really sees: lets the engine free older blocks
     value_dim = value.shape[-1]
     if query.shape[-1] != layer.width or value_dim != layer.width:  # K and V head dims differ (latent attention)
         query, key, value = (pad_head_dim(t, layer.width) for t in (query, key, value))

@@ -71,12 +71,17 @@ def build_step(
     block_size: int,
     device: torch.device,
     sampled: list[bool] | None = None,
+    window: int | None = None,
 ) -> StepMetadata:
     """Tensors of one step. ``sampled[i]`` says whether request i's last new token is sampled
-    (default: when its chunk reaches the end of its known tokens)."""
+    (default: when its chunk reaches the end of its known tokens). With a ``window`` shared by
+    every layer, the varlen path gets each request's keys from the first one its first query can
+    see (older blocks may already be freed); the causal mask is bottom-right aligned, so dropping
+    invisible leading keys changes nothing."""
     q_lens = [s.num_new_tokens for s in scheduled]
     starts = [s.request.num_computed_tokens for s in scheduled]
-    k_lens = [start + n for start, n in zip(starts, q_lens)]
+    key_starts = [max(start - window + 1, 0) if window else 0 for start in starts]
+    k_lens = [start + n - first for start, n, first in zip(starts, q_lens, key_starts)]
     if sampled is None:
         sampled = [start + n == s.request.num_tokens for s, start, n in zip(scheduled, starts, q_lens)]
 
@@ -102,7 +107,7 @@ def build_step(
         k_lens_t = torch.tensor(k_lens)
         rows_k = torch.repeat_interleave(torch.arange(len(scheduled)), k_lens_t)  # [K]
         cu_k_cpu = cumulative(k_lens, torch.device("cpu"))
-        key_pos = torch.arange(int(cu_k_cpu[-1])) - cu_k_cpu[:-1].long()[rows_k]
+        key_pos = torch.arange(int(cu_k_cpu[-1])) - cu_k_cpu[:-1].long()[rows_k] + torch.tensor(key_starts)[rows_k]
         gather_slots = slots_of(table, rows_k, key_pos, block_size).to(device)
 
     logits_indices = (cu_q[1:].long() - 1)[torch.tensor(sampled, dtype=torch.bool)]

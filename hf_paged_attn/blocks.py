@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 ROOT = (-1, 0)  # parent of a sequence's first block
+RELEASED = -1  # a request's block that fell out of its sliding window and was freed early
 
 PrefixKey = tuple[int, int, tuple[int, ...]]
 
@@ -79,6 +80,8 @@ class BlockAllocator:
     def fork(self, blocks: list[int]) -> list[int]:
         """Share ``blocks`` with one more holder (copy-on-write children, prefix hits)."""
         for block in blocks:
+            if block == RELEASED:
+                continue
             if self._ref_counts[block] == 0:  # a cached block comes back into use
                 assert block in self._evictable, f"fork of free, uncached block {block}"
                 del self._evictable[block]
@@ -88,6 +91,8 @@ class BlockAllocator:
     def free(self, blocks: list[int]) -> None:
         """Drop one holder of each block; unheld blocks become free (cached ones stay findable)."""
         for block in blocks:
+            if block == RELEASED:
+                continue
             assert self._ref_counts[block] > 0, f"double free of block {block}"
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:

@@ -39,6 +39,7 @@ class PagedLayer(CacheLayerMixin):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.is_sliding = is_sliding
+        self.window: int | None = None  # sliding window the attention used last (None: full)
         # Weak references to the K/V that the last update returned: the attention function checks
         # that it got exactly these (support.check_attention_call) without keeping them alive.
         self.returned: tuple[weakref.ref, weakref.ref] | None = None
@@ -146,6 +147,13 @@ class PagedAttentionCache(Cache):
         layer.returned = (weakref.ref(key_states), weakref.ref(value_states))
         self.last_layer = layer
         return key_states, value_states
+
+    def uniform_window(self) -> int | None:
+        """The sliding window when every layer attends through the same one, else None. Only then
+        may blocks that fell out of the window be freed: one block id serves all layers."""
+        windows = {layer.window for layer in self.layers}
+        window = windows.pop() if len(windows) == 1 else None
+        return window
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block ``dst`` becomes a copy of block ``src`` in every layer."""

@@ -157,6 +157,8 @@ class ContinuousBatchingEngine:
             filled: dict[int, int] = {}  # per distinct block: shared blocks count once
             for r in self.scheduler.running:
                 for i, block in enumerate(r.block_ids):
+                    if block < 0:  # freed: out of its sliding window
+                        continue
                     filled[block] = max(filled.get(block, 0), min(size, r.num_computed_tokens - i * size))
             self._waste_at_peak = 1.0 - sum(max(f, 0) for f in filled.values()) / (used * size)
 
@@ -180,13 +182,15 @@ class ContinuousBatchingEngine:
         forward_start = time.perf_counter()
         try:
             self.cache.copy_blocks(plan.block_copies)
-            meta = build_step(plan.scheduled, self.config.block_size, self.device)
+            meta = build_step(plan.scheduled, self.config.block_size, self.device, window=self.scheduler.window)
             meta.backend = self.backend
             logits = self._forward(meta)
         except Exception as exc:  # one failing step must not take the engine down
             return self._fail([s.request for s in plan.scheduled], exc)
         self._num_steps += 1
         self._forward_seconds += time.perf_counter() - forward_start
+        if self._num_steps == 1:  # every layer has now attended once: does one window fit them all?
+            self.scheduler.window = self.cache.uniform_window()
         self.scheduler.commit(plan.scheduled)
         sampled = [s.request for s in plan.scheduled if s.request.num_computed_tokens == s.request.num_tokens]
         if not sampled:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .blocks import BlockAllocator
+from .blocks import RELEASED, BlockAllocator
 from .request import Request, Status
 
 
@@ -44,6 +44,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.window: int | None = None  # set by the engine when every layer slides the same window
         self.num_prompt_tokens = 0  # of admitted requests
         self.num_cached_tokens = 0  # of those, served from the prefix cache
 
@@ -117,7 +118,19 @@ class Scheduler:
             tokens = request.all_ids
             for i in range(first_full, request.num_computed_tokens // size):
                 parent = request.block_ids[i - 1] if i else None
-                self.allocator.register(request.block_ids[i], parent, tuple(tokens[i * size : (i + 1) * size]))
+                if parent != RELEASED:
+                    self.allocator.register(request.block_ids[i], parent, tuple(tokens[i * size : (i + 1) * size]))
+            if self.window is not None:
+                self._release_out_of_window(request)
+
+    def _release_out_of_window(self, request: Request) -> None:
+        """Free the blocks no future query can see: the next query, at position
+        ``num_computed_tokens``, sees keys from ``num_computed_tokens - window + 1`` on."""
+        first_visible = request.num_computed_tokens - self.window + 1
+        for i in range(max(first_visible, 0) // self.block_size):
+            if request.block_ids[i] != RELEASED:
+                self.allocator.free([request.block_ids[i]])
+                request.block_ids[i] = RELEASED
 
     def _admit(self, request: Request, budget: int, copies: list[tuple[int, int]]) -> bool:
         """Reserve blocks for a waiting request's first chunk, reusing cached prefix blocks.
