@@ -41,10 +41,6 @@ class StepMetadata:
     backend: ModuleType | None = None
     cache: PagedAttentionCache | None = None
 
-    @property
-    def num_tokens(self) -> int:
-        return self.input_ids.shape[1]
-
 
 def cumulative(lengths: list[int], device: torch.device) -> torch.Tensor:
     """``[0, l0, l0 + l1, ...]`` as int32, the layout flash-attn's cu_seqlens use."""

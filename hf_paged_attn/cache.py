@@ -152,8 +152,7 @@ class PagedAttentionCache(Cache):
         """The sliding window when every layer attends through the same one, else None. Only then
         may blocks that fell out of the window be freed: one block id serves all layers."""
         windows = {layer.window for layer in self.layers}
-        window = windows.pop() if len(windows) == 1 else None
-        return window
+        return windows.pop() if len(windows) == 1 else None
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block ``dst`` becomes a copy of block ``src`` in every layer."""

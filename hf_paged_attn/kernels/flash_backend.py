@@ -78,6 +78,17 @@ def _check_pages(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError("k_cache and v_cache must have a contiguous last dimension for flash-attn")
 
 
+def _options(softmax_scale: float, causal: bool, window_size: tuple[int, int], softcap: float) -> dict:
+    """The options every flash-attn entry point takes, as plain Python scalars (no tensors, no
+    numpy ints: flash-attn's C++ binding rejects them)."""
+    return dict(
+        softmax_scale=float(softmax_scale),
+        causal=bool(causal),
+        window_size=(int(window_size[0]), int(window_size[1])),
+        softcap=float(softcap),
+    )
+
+
 def varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -105,10 +116,7 @@ def varlen_attention(
         cu_seqlens_k=_int32(cu_seqlens_k, q.device),
         max_seqlen_q=int(max_seqlen_q),
         max_seqlen_k=int(max_seqlen_k),
-        softmax_scale=float(softmax_scale),
-        causal=bool(causal),
-        window_size=(int(window_size[0]), int(window_size[1])),
-        softcap=float(softcap),
+        **_options(softmax_scale, causal, window_size, softcap),
     )
 
 
@@ -153,10 +161,7 @@ def paged_prefill_attention(
         cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=int(max_seqlen_q),
         max_seqlen_k=int(max_seqlen_k),
-        softmax_scale=float(softmax_scale),
-        causal=bool(causal),
-        window_size=(int(window_size[0]), int(window_size[1])),
-        softcap=float(softcap),
+        **_options(softmax_scale, causal, window_size, softcap),
         block_table=_safe_block_table(block_table, q.device),
     )
 
@@ -193,10 +198,7 @@ def paged_decode_attention(
         v=None if v is None else _last_dim_contiguous(v),
         cache_seqlens=_int32(cache_seqlens, q.device),
         block_table=_safe_block_table(block_table, q.device),
-        softmax_scale=float(softmax_scale),
-        causal=bool(causal),
-        window_size=(int(window_size[0]), int(window_size[1])),
-        softcap=float(softcap),
+        **_options(softmax_scale, causal, window_size, softcap),
     )
 
 
