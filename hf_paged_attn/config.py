@@ -17,7 +17,8 @@ class PagedConfig:
             batch exactly; the engine otherwise takes ``memory_fraction`` of the free memory.
         max_num_seqs: most requests running at once.
         max_batch_tokens: token budget of one step (decode tokens plus prefill chunks).
-        kernel: ``"auto"`` (flash on CUDA when importable, else torch), ``"torch"``, ``"flash"``, ``"triton"``.
+        kernel: ``"torch"``, ``"flash"``, ``"triton"`` or ``"auto"``: on CUDA flash-attn when it is
+            installed and the block size and dtype suit it, else triton; torch elsewhere.
         enable_prefix_caching: share the KV blocks of identical prompt prefixes between requests.
         memory_fraction: share of free device memory the cache may take when ``num_blocks`` is None.
         progress_bar: show a tqdm bar; ``None`` shows it only in an interactive terminal and only

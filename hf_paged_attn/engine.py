@@ -49,7 +49,7 @@ class ContinuousBatchingEngine:
         self.generation_config = generation_config or model.generation_config
         self.device = model.device
         self.max_position_embeddings = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-        self.backend = load_backend(self.config.kernel, self.device)
+        self.backend = load_backend(self.config.kernel, self.device, self.config.block_size, model.dtype)
         check_block_size = getattr(self.backend, "check_block_size", None)
         if check_block_size is not None:
             check_block_size(self.config.block_size)

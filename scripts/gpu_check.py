@@ -5,10 +5,12 @@
 (a) kernels/<backend>/<dtype>: triton, flash (when importable) and torch backends against the
     float64 reference on CUDA: paged decode (split-K forced and automatic), paged prefill and
     varlen, with GQA, windows, softcap and sinks.
-(b) greedy/<dtype>: a tiny random Llama, ``attn_implementation="paged"`` against ``"sdpa"``,
-    32 greedy tokens per prompt through the public API.
+(b) greedy/<dtype>/<kernel>: a tiny random Llama, ``attn_implementation="paged"`` with
+    ``PagedConfig(kernel=...)`` against ``"sdpa"``, 32 greedy tokens per prompt through the public API.
 (c) bandwidth/<backend>: paged decode microbenchmark, K/V bytes read per second as a fraction of
     the device's peak memory bandwidth.
+(d) throughput/bf16: the benchmark's ``uniform`` workload (64 requests, 30M-parameter Llama) on the
+    GPU: the engine with each kernel against transformers' padded ``generate`` and continuous batching.
 
 Without CUDA every check prints SKIPPED and the script exits 0. Otherwise it exits 1 if a check
 failed. Run it through ``scripts/gpu_check.sh``.
@@ -34,11 +36,15 @@ CHECKS = (
     "kernels/flash/bf16",
     "kernels/torch/fp32",
     "kernels/torch/bf16",
-    "greedy/fp32",
-    "greedy/bf16",
+    "greedy/fp32/torch",
+    "greedy/fp32/triton",
+    "greedy/bf16/torch",
+    "greedy/bf16/triton",
+    "greedy/bf16/flash",
     "bandwidth/triton",
     "bandwidth/flash",
     "bandwidth/torch",
+    "throughput/bf16",
 )
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # max abs error vs the float64 reference
@@ -132,7 +138,7 @@ def kernel_cases(backend, dtype: torch.dtype, seed: int = 0):
         v_new = torch.randn(len(lens), 1, h_kv, d, generator=gen).to(dtype).cuda()
         seqlens = torch.tensor(lens, dtype=torch.int32).cuda()
 
-        for splits in ((None, 4) if getattr(backend, "__name__", "").endswith("triton_backend") else (None,)):
+        for splits in (None, 4) if getattr(backend, "__name__", "").endswith("triton_backend") else (None,):
 
             def decode(splits=splits, k_cache=k_cache, v_cache=v_cache, lens=lens, table=table, q=q,
                        k_new=k_new, v_new=v_new, seqlens=seqlens, opts=opts, cuda_opts=cuda_opts):  # fmt: skip
@@ -208,6 +214,9 @@ def check_kernels(backends: dict[str, object], name: str, dtype_name: str) -> No
             continue
         except Exception as exc:
             errors.append(f"{case}: {short_error(exc)}")
+            if len(errors) == 1:  # the first one whole: a compile error's text is long
+                print(f"--- {check} {case}:", file=sys.stderr)
+                traceback.print_exc(file=sys.stderr)
             continue
         ran += 1
         err = (out.double() - ref.double()).abs().max().item() if out.numel() else 0.0
@@ -261,9 +270,12 @@ def tiny_llama_dir() -> str:
     return directory
 
 
-def greedy_parity(directory: str, dtype: torch.dtype, candidate: str = "paged", device: str = "cuda") -> str:
-    """Compare ``candidate`` against sdpa; returns the detail line, raises AssertionError on a mismatch."""
+def greedy_parity(directory: str, dtype: torch.dtype, kernel: str, device: str = "cuda") -> str:
+    """Compare the paged model with ``kernel`` against sdpa; returns the detail line, raises
+    AssertionError on a mismatch."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_paged_attn import PagedConfig
 
     vocab = AutoConfig.from_pretrained(directory).vocab_size
     gen = torch.Generator().manual_seed(1)
@@ -285,7 +297,7 @@ def greedy_parity(directory: str, dtype: torch.dtype, candidate: str = "paged", 
     del ref_model
 
     # Candidate: the public API on one left-padded batch, as a user would call it.
-    model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation=candidate, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="paged", dtype=dtype)
     model = model.to(device).eval()
     width = max(prompt_lens)
     input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -294,7 +306,9 @@ def greedy_parity(directory: str, dtype: torch.dtype, candidate: str = "paged", 
         input_ids[i, width - len(p) :] = p
         attention_mask[i, width - len(p) :] = 1
     batch = {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device)}
-    out = model.generate(**batch, max_new_tokens=NEW_TOKENS, do_sample=False)
+    # Block size 256: flash-attn's paged decode needs a multiple of 256; the others take any.
+    paged_config = PagedConfig(kernel=kernel, block_size=256 if kernel == "flash" else 16)
+    out = model.generate(**batch, max_new_tokens=NEW_TOKENS, do_sample=False, paged_config=paged_config)
     sequences = out if isinstance(out, torch.Tensor) else out.sequences
     new = sequences[:, width:].cpu()  # [B, NEW_TOKENS]
 
@@ -316,19 +330,22 @@ def greedy_parity(directory: str, dtype: torch.dtype, candidate: str = "paged", 
     return f"{len(prompts)} prompts x {NEW_TOKENS} tokens, {compared}/{total} steps compared (tie tol {tol})"
 
 
-def check_greedy(dtype_name: str, directory: str | None) -> None:
-    check = f"greedy/{dtype_name}"
+def check_greedy(dtype_name: str, kernel: str, directory: str | None, backends: dict[str, object]) -> None:
+    check = f"greedy/{dtype_name}/{kernel}"
+    if isinstance(backends[kernel], str):
+        report("SKIPPED", check, f"backend unavailable ({backends[kernel]})")
+        return
     try:
         import hf_paged_attn  # noqa: F401 - registers attn_implementation="paged"
 
         if directory is None:
             raise RuntimeError("the tiny model could not be built (see above)")
         start = time.perf_counter()
-        detail = greedy_parity(directory, DTYPE_NAMES[dtype_name])
+        detail = greedy_parity(directory, DTYPE_NAMES[dtype_name], kernel)
         report("PASS", check, f"{detail}, {time.perf_counter() - start:.1f}s")
     except Exception as exc:  # the engine is young: report, never crash the script
         report("FAIL", check, short_error(exc))
-        traceback.print_exc(limit=4, file=sys.stderr)
+        traceback.print_exc(file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -399,6 +416,51 @@ def check_bandwidth(backends: dict[str, object], name: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
+# (d) end-to-end throughput on the GPU
+# ----------------------------------------------------------------------------------------------
+
+
+def check_throughput(backends: dict[str, object]) -> None:
+    """The ``uniform`` workload in bf16 on the GPU: new tokens/s of each system, and how many requests'
+    greedy tokens equal padded ``generate``'s (bf16 near-ties may flip a few; reported, not judged)."""
+    check = "throughput/bf16"
+    from transformers import AutoModelForCausalLM
+
+    from hf_paged_attn.bench.systems import run_engine, run_hf_cb, run_hf_padded
+    from hf_paged_attn.bench.workloads import WORKLOADS
+
+    work = WORKLOADS["uniform"]()
+    directory = tempfile.mkdtemp(prefix="gpu_check_bench_")
+    work.model.save(directory)
+
+    def load(attn: str) -> torch.nn.Module:
+        model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation=attn, dtype=torch.bfloat16)
+        return model.to("cuda").eval()
+
+    sdpa, paged, cb = load("sdpa"), load("paged"), load("sdpa")
+    runs = [(f"hf_padded@{n}", lambda n=n: run_hf_padded(sdpa, work, n)) for n in (16, 64)]
+    kernels = [k for k in ("torch", "triton", "flash") if not isinstance(backends[k], str)]
+    runs += [(f"engine[{k}]@64", lambda k=k: run_engine(paged, work, 64, kernel=k)) for k in kernels]
+    runs.append(("hf_cb@64", lambda: run_hf_cb(cb, work, 64)))
+    figures, reference, errors = [], None, []
+    for name, fn in runs:
+        try:
+            torch.cuda.synchronize()
+            result = fn()
+            torch.cuda.synchronize()
+        except Exception as exc:
+            errors.append(f"{name}: {short_error(exc)}")
+            traceback.print_exc(file=sys.stderr)
+            continue
+        reference = reference or result.outputs
+        same = sum(a == b for a, b in zip(result.outputs, reference, strict=True))
+        figures.append(f"{name} {result.tokens_per_second:.0f} tok/s ({same}/{work.num_requests} same)")
+        print(f"  {figures[-1]}, {result.wall_seconds:.2f}s", flush=True)
+    detail = f"{work.new_tokens} new tokens: " + "; ".join(figures)
+    report("FAIL" if errors else "PASS", check, detail + (f"; errors: {'; '.join(errors)}" if errors else ""))
+
+
+# ----------------------------------------------------------------------------------------------
 
 
 def main() -> int:
@@ -416,7 +478,7 @@ def main() -> int:
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     backends = load_backends()
     directory = None
-    if any(c.startswith("greedy") for c in wanted):
+    if any(c.startswith("greedy") for c in wanted):  # one model for every greedy check
         try:
             directory = tiny_llama_dir()
         except Exception as exc:
@@ -427,7 +489,9 @@ def main() -> int:
             if kind == "kernels":
                 check_kernels(backends, rest[0], rest[1])
             elif kind == "greedy":
-                check_greedy(rest[0], directory)
+                check_greedy(rest[0], rest[1], directory, backends)
+            elif kind == "throughput":
+                check_throughput(backends)
             else:
                 check_bandwidth(backends, rest[0])
         except Exception as exc:  # one broken check must not hide the others

@@ -19,4 +19,4 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the package from this checkout, installed or not
 export PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1  # the tiny model is built locally: never reach a hub
-exec timeout 300 "$py" scripts/gpu_check.py "$@"
+exec timeout "${GPU_CHECK_TIMEOUT:-420}" "$py" scripts/gpu_check.py "$@"

@@ -13,6 +13,30 @@ def test_auto_is_torch_on_cpu():
     assert load_backend("auto", CPU).__name__.endswith("torch_backend")
 
 
+CUDA = torch.device("cuda")  # only inspected, never allocated on
+
+
+@pytest.mark.parametrize(
+    "flash, triton, block_size, dtype, expected",
+    [
+        (True, True, 256, torch.bfloat16, "flash"),
+        (True, True, 16, torch.bfloat16, "triton"),  # flash-attn needs a multiple of 256
+        (True, True, 256, torch.float32, "triton"),  # flash-attn has no fp32
+        (False, True, 16, torch.float16, "triton"),
+        (False, True, 24, torch.float16, "torch"),  # triton needs a power of two
+        (False, False, 16, torch.float32, "torch"),
+    ],
+)
+def test_auto_on_cuda_takes_the_fastest_backend_that_fits(monkeypatch, flash, triton, block_size, dtype, expected):
+    import hf_paged_attn.kernels as kernels
+
+    monkeypatch.setattr(kernels, "flash_available", lambda device: flash and device.type == "cuda")
+    monkeypatch.setattr(kernels, "triton_available", lambda device: triton and device.type == "cuda")
+    assert resolve_kernel("auto", CUDA, block_size, dtype) == expected
+    assert resolve_kernel("auto", CPU, block_size, dtype) == "torch"
+    assert resolve_kernel("torch", CUDA, block_size, dtype) == "torch"  # an explicit choice stays
+
+
 def test_flash_on_cpu_is_refused_clearly():
     with pytest.raises(ValueError, match="kernel='flash' needs a CUDA device"):
         load_backend("flash", CPU)

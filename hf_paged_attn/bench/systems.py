@@ -75,11 +75,13 @@ def _latencies(start: float, stamps: dict[int, list[float]], counts: list[int]) 
 
 
 # ------------------------------------------------------------------------------------------ engine
-def run_engine(model: torch.nn.Module, work: Workload, concurrency: int, prefix_caching: bool = False) -> RunResult:
+def run_engine(
+    model: torch.nn.Module, work: Workload, concurrency: int, prefix_caching: bool = False, kernel: str = "torch"
+) -> RunResult:
     """All requests queued at t0, then ``stream()`` until done; per-token times from its outputs."""
     config = PagedConfig(
         block_size=BLOCK_SIZE, num_blocks=work.num_blocks, max_num_seqs=concurrency,
-        max_batch_tokens=MAX_BATCH_TOKENS, kernel="torch", progress_bar=False, seed=0,
+        max_batch_tokens=MAX_BATCH_TOKENS, kernel=kernel, progress_bar=False, seed=0,
         enable_prefix_caching=prefix_caching,
     )
     gen_config = greedy_config()
@@ -144,13 +146,13 @@ def run_hf_padded(model: torch.nn.Module, work: Workload, concurrency: int) -> R
 
 
 def _static_batches(name: str, model: torch.nn.Module, work: Workload, size: int, **kwargs: Any) -> RunResult:
-    ids, mask = _left_padded([WARMUP_PROMPT])
+    ids, mask = (t.to(model.device) for t in _left_padded([WARMUP_PROMPT]))
     model.generate(ids, attention_mask=mask, generation_config=greedy_config(max_new_tokens=2), **kwargs)
     outputs: list[list[int]] = [[] for _ in range(work.num_requests)]
     generated = 0
     cpu_start, start = time.process_time(), time.perf_counter()
     for batch in _batches(work, size):
-        ids, mask = _left_padded([work.prompts[i] for i in batch])
+        ids, mask = (t.to(model.device) for t in _left_padded([work.prompts[i] for i in batch]))
         longest = max(work.max_new_tokens[i] for i in batch)
         config = greedy_config(max_new_tokens=longest)
         with torch.inference_mode():
