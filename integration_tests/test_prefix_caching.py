@@ -99,3 +99,22 @@ def test_preemption_with_prefix_caching(llama_pair):
     assert engine.stats.num_preemptions > 0
     for p, o in zip(prompts, outs):
         assert o.output_ids == reference_greedy(ref, p, 24)
+
+
+def test_concurrent_decodes_attend_to_the_shared_blocks_once(llama_pair, monkeypatch):
+    """Requests decoding together over 40 shared prompt tokens take the torch backend's cascade path
+    (shared blocks once per group, lse merge) and still match sdpa token for token."""
+    from hf_paged_attn.kernels import torch_backend
+
+    calls = []
+    cascade = torch_backend._decode_cascade
+    monkeypatch.setattr(torch_backend, "_decode_cascade", lambda *a, **k: calls.append(1) or cascade(*a, **k))
+    ref, paged = llama_pair
+    engine = ContinuousBatchingEngine(paged, PagedConfig(block_size=BS, num_blocks=160, enable_prefix_caching=True))
+    prefix = ragged_prompts(1, 40, 40, seed=8)[0]  # 10 full blocks, above CASCADE_MIN_TOKENS
+    suffixes = ragged_prompts(5, 1, 9, seed=9)
+    run_one(engine, prefix + [1])
+    outs = engine.generate([prefix + s for s in suffixes], max_new_tokens=NEW)
+    assert calls, "the cascade path never ran"
+    for s, o in zip(suffixes, outs):
+        assert o.output_ids == reference_greedy(ref, prefix + s, NEW)

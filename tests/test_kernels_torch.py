@@ -226,3 +226,61 @@ def test_half_precision_smoke(dtype: torch.dtype, softcap_and_sinks: bool) -> No
     assert out.dtype == dtype
     torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
     _check_decode([0, 31, 64], 16, opts, True, dtype, {"atol": 2e-2, "rtol": 2e-2})
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    groups=st.lists(st.tuples(st.integers(0, 4), st.integers(1, 4)), min_size=1, max_size=3),  # (shared blocks, n)
+    tails=st.lists(st.integers(0, 20), min_size=12, max_size=12),  # own tokens after the shared blocks
+    block_size=st.sampled_from([1, 4, 8]),
+    opts=attn_options(),
+    append=st.booleans(),
+)
+def test_decode_cascade_over_shared_blocks(
+    groups: list, tails: list, block_size: int, opts: dict, append: bool
+) -> None:
+    """Requests whose block tables start with the same physical blocks (prefix caching, forks): the
+    cascade path (shared part once, own part per request, lse merge) equals the reference."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _check_cascade(monkeypatch, groups, tails, block_size, opts, append)
+
+
+def _check_cascade(
+    monkeypatch: pytest.MonkeyPatch, groups: list, tails: list, block_size: int, opts: dict, append: bool
+) -> None:
+    monkeypatch.setattr(torch_backend, "CASCADE_MIN_TOKENS", 1)
+    opts = {**opts, "window_size": (-1, opts["window_size"][1])}  # the cascade needs no left window
+    gen = torch.Generator().manual_seed(opts["seed"])
+    h_kv, d = opts["num_kv_heads"], opts["head_dim"]
+    h = h_kv * opts["group"]
+    num_blocks = 200
+    k_cache, v_cache = _randn(gen, num_blocks, block_size, h_kv, d), _randn(gen, num_blocks, block_size, h_kv, d)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    rows, lens = [], []  # block ids and tokens before the new one, per request
+    for shared, n in groups:
+        prefix = [free.pop() for _ in range(shared)]
+        for _ in range(n):
+            own = tails[len(rows) % len(tails)]
+            total = shared * block_size + own + append  # tokens attended
+            rows.append(prefix + [free.pop() for _ in range(-(-total // block_size) - shared)])
+            lens.append(total - append)
+    width = max(map(len, rows)) + 1
+    table = torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int32)
+    k_new = _randn(gen, len(rows), 1, h_kv, d) if append else None
+    v_new = _randn(gen, len(rows), 1, h_kv, d) if append else None
+    q = _randn(gen, len(rows), 1, h, d)
+    kw = _kwargs(opts, h, gen)
+    calls = []
+    cascade = torch_backend._decode_cascade
+    monkeypatch.setattr(torch_backend, "_decode_cascade", lambda *a, **k: calls.append(1) or cascade(*a, **k))
+    out = torch_backend.paged_decode_attention(
+        q, k_cache, v_cache, k_new, v_new, torch.tensor(lens, dtype=torch.int32), table, **kw
+    )
+    for b, n in enumerate(lens):
+        keys = reference.gather_pages(k_cache, table[b], n + append)  # after the append, if any
+        values = reference.gather_pages(v_cache, table[b], n + append)
+        if append:
+            assert torch.equal(keys[-1], k_new[b, 0])
+        torch.testing.assert_close(out[b], reference.attend_one(q[b], keys, values, **kw), **TOL)
+    sharing = any(s > 0 and n > 1 for s, n in groups)
+    assert bool(calls) == sharing  # the cascade ran exactly when some blocks were shared
