@@ -12,7 +12,10 @@ class PagedConfig:
     """Configuration of the paged KV cache and the scheduler.
 
     Attributes:
-        block_size: tokens per KV block (page). flash-attn 2 needs a multiple of 256.
+        block_size: tokens per KV block (page). ``None`` (the default) picks by device and kernel:
+            256 for ``kernel="flash"`` (flash-attn 2 needs a multiple of 256), 16 on CUDA (the
+            Triton kernels' minimum), 8 elsewhere (on CPU it halves the KV memory left unfilled at
+            the end of each request's last block at no measured speed cost; benchmarks/README.md).
         num_blocks: blocks per layer. ``None`` sizes the cache: ``model.generate`` sizes it to fit its
             batch exactly; the engine otherwise takes ``memory_fraction`` of the free memory.
         max_num_seqs: most requests running at once.
@@ -27,7 +30,7 @@ class PagedConfig:
             ``torch.manual_seed`` makes sampled output reproducible as with ``generate``.
     """
 
-    block_size: int = 16
+    block_size: int | None = None
     num_blocks: int | None = None
     max_num_seqs: int = 64
     max_batch_tokens: int = 512
@@ -38,10 +41,11 @@ class PagedConfig:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_batch_tokens"):
+        for name in ("max_num_seqs", "max_batch_tokens"):
             _require_positive_int(name, getattr(self, name))
-        if self.num_blocks is not None:
-            _require_positive_int("num_blocks", self.num_blocks)
+        for name in ("block_size", "num_blocks"):
+            if getattr(self, name) is not None:
+                _require_positive_int(name, getattr(self, name))
         if self.kernel not in KERNELS:
             raise ValueError(f"PagedConfig.kernel must be one of {KERNELS}, got {self.kernel!r}")
         if not isinstance(self.enable_prefix_caching, bool):
@@ -65,6 +69,15 @@ class PagedConfig:
             raise ValueError(f"PagedConfig has no field(s) {sorted(unknown)}")
         values.update(changes)
         return PagedConfig(**values)
+
+
+    def resolved(self, device_type: str) -> PagedConfig:
+        """This config with ``block_size=None`` made concrete for a device of ``device_type``."""
+        if self.block_size is not None:
+            return self
+        if self.kernel == "flash":
+            return self.replace(block_size=256)
+        return self.replace(block_size=16 if device_type == "cuda" else 8)
 
 
 def _require_positive_int(name: str, value: object) -> None:

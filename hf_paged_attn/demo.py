@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-prompts", type=int, default=len(PROMPTS))
     parser.add_argument("--max-new-tokens", type=int, default=40)
     parser.add_argument("--kernel", default="auto", choices=["auto", "torch", "flash", "triton"])
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=None, help="default: by device (8 on CPU)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> None:
         texts[engine.add_request(ids, max_new_tokens=args.max_new_tokens)] = text
 
     print(f"{len(texts)} requests of {min(map(len, prompts))}-{max(map(len, prompts))} characters, "
-          f"{args.max_new_tokens} new tokens each, {engine.allocator.num_blocks} KV blocks of {args.block_size}\n")
+          f"{args.max_new_tokens} new tokens each, {engine.allocator.num_blocks} KV blocks "
+          f"of {engine.config.block_size}\n")
     start = time.perf_counter()
     with tqdm(total=len(texts), unit="req", disable=args.no_progress, leave=False) as bar:
         for out in engine.stream():

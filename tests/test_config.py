@@ -35,3 +35,11 @@ def test_defaults_and_replace():
         config.replace(nope=1)
     with pytest.raises(ValueError, match="block_size"):
         config.replace(block_size=0)
+
+
+def test_block_size_none_is_resolved_by_device_and_kernel():
+    assert PagedConfig().block_size is None
+    assert PagedConfig().resolved("cpu").block_size == 8
+    assert PagedConfig().resolved("cuda").block_size == 16  # the Triton kernels' minimum
+    assert PagedConfig(kernel="flash").resolved("cuda").block_size == 256  # flash-attn 2's multiple
+    assert PagedConfig(block_size=32).resolved("cuda").block_size == 32  # an explicit size stays

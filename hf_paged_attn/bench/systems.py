@@ -76,11 +76,17 @@ def _latencies(start: float, stamps: dict[int, list[float]], counts: list[int]) 
 
 # ------------------------------------------------------------------------------------------ engine
 def run_engine(
-    model: torch.nn.Module, work: Workload, concurrency: int, prefix_caching: bool = False, kernel: str = "torch"
+    model: torch.nn.Module,
+    work: Workload,
+    concurrency: int,
+    prefix_caching: bool = False,
+    kernel: str = "torch",
+    block_size: int = BLOCK_SIZE,
 ) -> RunResult:
-    """All requests queued at t0, then ``stream()`` until done; per-token times from its outputs."""
+    """All requests queued at t0, then ``stream()`` until done; per-token times from its outputs.
+    A ``block_size`` above the workload's leaves room to spare (``num_blocks`` stays)."""
     config = PagedConfig(
-        block_size=BLOCK_SIZE, num_blocks=work.num_blocks, max_num_seqs=concurrency,
+        block_size=block_size, num_blocks=work.num_blocks, max_num_seqs=concurrency,
         max_batch_tokens=MAX_BATCH_TOKENS, kernel=kernel, progress_bar=False, seed=0,
         enable_prefix_caching=prefix_caching,
     )

@@ -15,7 +15,7 @@ from transformers import LlamaConfig
 
 from ..testing import save_random_model
 
-BLOCK_SIZE = 16
+BLOCK_SIZE = 8  # PagedConfig's default on CPU (benchmarks/README.md: block size)
 MAX_BATCH_TOKENS = 512
 
 
@@ -165,7 +165,7 @@ def shared_prefix(num_requests: int = 64, prefix_len: int = 512, seed: int = 0,
     )
 
 
-def scale(num_requests: int = 1024, num_blocks: int = 512, seed: int = 1) -> Workload:
+def scale(num_requests: int = 1024, num_blocks: int = 8192 // BLOCK_SIZE, seed: int = 1) -> Workload:
     """``uniform``'s distribution at 1,024 requests with a fixed cache of ``num_blocks`` blocks
     (8,192 tokens: fewer than 64 running requests can hold at full length, so preemption is exercised)."""
     work = uniform(num_requests, seed=seed, name="scale", num_blocks=num_blocks)
