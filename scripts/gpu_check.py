@@ -9,7 +9,11 @@
     ``PagedConfig(kernel=...)`` against ``"sdpa"``, 32 greedy tokens per prompt through the public API.
 (c) bandwidth/<backend>: paged decode microbenchmark, K/V bytes read per second as a fraction of
     the device's peak memory bandwidth.
-(d) throughput/bf16: the benchmark's ``uniform`` workload (64 requests, 30M-parameter Llama) on the
+(d) cascade/fp32: requests decoding together over a shared 96-token prefix take the torch
+    backend's cascade path on CUDA and match sdpa token for token.
+(e) splitk/bf16: the Triton decode kernel's time against the number of split-K partitions
+    (figures only, to tune ``_choose_num_splits``).
+(f) throughput/bf16: the benchmark's ``uniform`` workload (64 requests, 30M-parameter Llama) on the
     GPU: the engine with each kernel against transformers' padded ``generate`` and continuous batching.
 
 Without CUDA every check prints SKIPPED and the script exits 0. Otherwise it exits 1 if a check
@@ -44,6 +48,8 @@ CHECKS = (
     "bandwidth/triton",
     "bandwidth/flash",
     "bandwidth/torch",
+    "cascade/fp32",
+    "splitk/bf16",
     "throughput/bf16",
 )
 
@@ -416,7 +422,98 @@ def check_bandwidth(backends: dict[str, object], name: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# (d) end-to-end throughput on the GPU
+# (d) cascade decode over shared prefix blocks, (e) split-K sweep
+# ----------------------------------------------------------------------------------------------
+
+
+def check_cascade(directory: str | None) -> None:
+    check = "cascade/fp32"
+    try:
+        from transformers import AutoModelForCausalLM
+
+        from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
+        from hf_paged_attn.kernels import torch_backend
+
+        if directory is None:
+            raise RuntimeError("the tiny model could not be built (see above)")
+        calls = []
+        cascade = torch_backend._decode_cascade
+        torch_backend._decode_cascade = lambda *a, **k: calls.append(1) or cascade(*a, **k)
+        try:
+            ref = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="sdpa").cuda().eval()
+            paged = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="paged").cuda().eval()
+            gen = torch.Generator().manual_seed(3)
+            prefix = torch.randint(2, ref.config.vocab_size, (96,), generator=gen).tolist()
+            prompts = [
+                prefix + torch.randint(2, ref.config.vocab_size, (n,), generator=gen).tolist() for n in (3, 9, 17, 30)
+            ]
+            engine = ContinuousBatchingEngine(paged, PagedConfig(kernel="torch", num_blocks=256))
+            engine.generate([prefix + [1]], max_new_tokens=2)  # caches the prefix blocks
+            outs = engine.generate(prompts, max_new_tokens=NEW_TOKENS)
+        finally:
+            torch_backend._decode_cascade = cascade
+        if not calls:
+            raise AssertionError("the cascade path never ran")
+        compared = 0
+        for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
+            ids = torch.tensor([p]).cuda()
+            res = ref.generate(
+                ids, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True
+            )
+            want = res.sequences[0, len(p) :].tolist()
+            top2 = torch.stack(res.logits)[:, 0].float().topk(2, dim=-1).values  # [steps, 2]
+            ties = ((top2[:, 0] - top2[:, 1]) < TIE_TOLERANCE[torch.float32]).nonzero()
+            limit = int(ties[0]) if len(ties) else len(want)  # the same near-tie rule as greedy/*
+            if o.output_ids[:limit] != want[:limit]:
+                raise AssertionError(f"prompt {i}: {o.output_ids[:limit]} != sdpa {want[:limit]}")
+            compared += limit
+        cached = [o.num_cached_tokens for o in outs]
+        steps = f"{compared}/{len(prompts) * NEW_TOKENS} steps compared"
+        report("PASS", check, f"{len(prompts)} prompts equal sdpa, {steps}; cached {cached}, {len(calls)} cascades")
+    except Exception as exc:
+        report("FAIL", check, short_error(exc))
+        traceback.print_exc(file=sys.stderr)
+
+
+def check_splitk(backends: dict[str, object]) -> None:
+    check = "splitk/bf16"
+    backend = backends["triton"]
+    if isinstance(backend, str):
+        report("SKIPPED", check, f"backend unavailable ({backend})")
+        return
+    h_kv, group, d, bs = 8, 4, 128, 256
+    parts = []
+    try:
+        for batch, ctx, choices in ((1, 32768, (8, 16, 33, 64, 128)), (8, 8192, (1, 4, 8, 17)), (64, 4096, (1, 2, 4))):
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            blocks = batch * ctx // bs
+            k_cache = torch.randn(blocks, bs, h_kv, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+            v_cache = torch.randn_like(k_cache)
+            table = torch.randperm(blocks, device="cuda").int().view(batch, ctx // bs)
+            q = torch.randn(batch, 1, h_kv * group, d, device="cuda", dtype=torch.bfloat16)
+            seqlens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+            moved = 2 * batch * ctx * h_kv * d * 2
+            row = []
+            for splits in (None, *choices):
+
+                def step(splits=splits, q=q, k_cache=k_cache, v_cache=v_cache, seqlens=seqlens, table=table):
+                    return backend.paged_decode_attention(
+                        q, k_cache, v_cache, None, None, seqlens, table, softmax_scale=d**-0.5, num_splits=splits
+                    )
+
+                seconds = time_cuda(step)
+                row.append(f"{splits or 'auto'}:{moved / seconds / 1e12:.2f}")
+            parts.append(f"B={batch} ctx={ctx} TB/s by splits " + " ".join(row))
+            del k_cache, v_cache
+            torch.cuda.empty_cache()
+    except Exception as exc:
+        report("FAIL", check, short_error(exc) + (f" (after: {'; '.join(parts)})" if parts else ""))
+        return
+    report("PASS", check, "; ".join(parts))
+
+
+# ----------------------------------------------------------------------------------------------
+# (f) end-to-end throughput on the GPU
 # ----------------------------------------------------------------------------------------------
 
 
@@ -481,7 +578,7 @@ def main() -> int:
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     backends = load_backends()
     directory = None
-    if any(c.startswith("greedy") for c in wanted):  # one model for every greedy check
+    if any(c.startswith(("greedy", "cascade")) for c in wanted):  # one model for every greedy check
         try:
             directory = tiny_llama_dir()
         except Exception as exc:
@@ -493,6 +590,10 @@ def main() -> int:
                 check_kernels(backends, rest[0], rest[1])
             elif kind == "greedy":
                 check_greedy(rest[0], rest[1], directory, backends)
+            elif kind == "cascade":
+                check_cascade(directory)
+            elif kind == "splitk":
+                check_splitk(backends)
             elif kind == "throughput":
                 check_throughput(backends)
             else:
