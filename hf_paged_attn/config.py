@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from .kernels import KERNELS
+import torch
+
+from .kernels import KERNELS, resolve_kernel
 
 
 @dataclass(slots=True)
@@ -12,16 +14,18 @@ class PagedConfig:
     """Configuration of the paged KV cache and the scheduler.
 
     Attributes:
-        block_size: tokens per KV block (page). ``None`` (the default) picks by device and kernel:
-            256 for ``kernel="flash"`` (flash-attn 2 needs a multiple of 256), 16 on CUDA (the
-            Triton kernels' minimum), 8 elsewhere (on CPU it halves the KV memory left unfilled at
-            the end of each request's last block at no measured speed cost; benchmarks/README.md).
+        block_size: tokens per KV block (page). ``None`` (the default) picks by kernel and device:
+            256 for flash-attn (flash-attn 2 needs a multiple of 256), 16 for triton (its kernels'
+            minimum) and for torch on CUDA, 8 for torch on CPU (it halves the KV memory left
+            unfilled at the end of each request's last block at no measured speed cost;
+            benchmarks/README.md).
         num_blocks: blocks per layer. ``None`` sizes the cache: ``model.generate`` sizes it to fit its
             batch exactly; the engine otherwise takes ``memory_fraction`` of the free memory.
         max_num_seqs: most requests running at once.
         max_batch_tokens: token budget of one step (decode tokens plus prefill chunks).
         kernel: ``"torch"``, ``"flash"``, ``"triton"`` or ``"auto"``: on CUDA flash-attn when it is
-            installed and the block size and dtype suit it, else triton; torch elsewhere.
+            installed and the block size (None, or a multiple of 256) and dtype (fp16/bf16) suit
+            it, else triton on GPUs of compute capability 8.0 or newer; torch elsewhere.
         enable_prefix_caching: share the KV blocks of identical prompt prefixes between requests.
         memory_fraction: share of free device memory the cache may take when ``num_blocks`` is None.
         progress_bar: show a tqdm bar; ``None`` shows it only in an interactive terminal and only
@@ -71,13 +75,12 @@ class PagedConfig:
         return PagedConfig(**values)
 
 
-    def resolved(self, device_type: str) -> PagedConfig:
-        """This config with ``block_size=None`` made concrete for a device of ``device_type``."""
-        if self.block_size is not None:
-            return self
-        if self.kernel == "flash":
-            return self.replace(block_size=256)
-        return self.replace(block_size=16 if device_type == "cuda" else 8)
+    def resolved(self, device: torch.device, dtype: torch.dtype | None = None) -> PagedConfig:
+        """This config made concrete for a model on ``device`` in ``dtype``: ``kernel="auto"`` becomes
+        the backend that will run, then ``block_size=None`` that backend's size."""
+        kernel = resolve_kernel(self.kernel, device, self.block_size, dtype)
+        block_size = self.block_size or {"flash": 256, "triton": 16}.get(kernel, 16 if device.type == "cuda" else 8)
+        return self.replace(kernel=kernel, block_size=block_size)
 
 
 def _require_positive_int(name: str, value: object) -> None:

@@ -45,11 +45,11 @@ class ContinuousBatchingEngine:
             )
         check_model_supported(model)
         self.model = model
-        self.config = (config or PagedConfig()).resolved(model.device.type)
+        self.config = (config or PagedConfig()).resolved(model.device, model.dtype)  # concrete kernel, block size
         self.generation_config = generation_config or model.generation_config
         self.device = model.device
         self.max_position_embeddings = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-        self.backend = load_backend(self.config.kernel, self.device, self.config.block_size, model.dtype)
+        self.backend = load_backend(self.config.kernel, self.device)
         check_block_size = getattr(self.backend, "check_block_size", None)
         if check_block_size is not None:
             check_block_size(self.config.block_size)

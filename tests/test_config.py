@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from hf_paged_attn import PagedConfig
 
@@ -37,9 +38,20 @@ def test_defaults_and_replace():
         config.replace(block_size=0)
 
 
-def test_block_size_none_is_resolved_by_device_and_kernel():
+def test_resolved_picks_the_kernel_then_its_block_size(monkeypatch):
+    import hf_paged_attn.kernels as kernels
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # only inspected, never allocated on
     assert PagedConfig().block_size is None
-    assert PagedConfig().resolved("cpu").block_size == 8
-    assert PagedConfig().resolved("cuda").block_size == 16  # the Triton kernels' minimum
-    assert PagedConfig(kernel="flash").resolved("cuda").block_size == 256  # flash-attn 2's multiple
-    assert PagedConfig(block_size=32).resolved("cuda").block_size == 32  # an explicit size stays
+    config = PagedConfig().resolved(cpu)
+    assert (config.kernel, config.block_size) == ("torch", 8)
+    monkeypatch.setattr(kernels, "flash_available", lambda device: device.type == "cuda")
+    monkeypatch.setattr(kernels, "triton_available", lambda device: device.type == "cuda")
+    config = PagedConfig().resolved(cuda, torch.bfloat16)
+    assert (config.kernel, config.block_size) == ("flash", 256)  # flash-attn 2's paged multiple
+    config = PagedConfig().resolved(cuda, torch.float32)  # flash-attn has no fp32
+    assert (config.kernel, config.block_size) == ("triton", 16)  # the Triton kernels' minimum
+    config = PagedConfig(block_size=32).resolved(cuda, torch.bfloat16)  # an explicit size stays
+    assert (config.kernel, config.block_size) == ("triton", 32)
+    config = PagedConfig(kernel="torch").resolved(cuda)
+    assert (config.kernel, config.block_size) == ("torch", 16)

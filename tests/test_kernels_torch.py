@@ -228,59 +228,93 @@ def test_half_precision_smoke(dtype: torch.dtype, softcap_and_sinks: bool) -> No
     _check_decode([0, 31, 64], 16, opts, True, dtype, {"atol": 2e-2, "rtol": 2e-2})
 
 
-@settings(max_examples=60, deadline=None)
+@st.composite
+def prefix_trees(draw: st.DrawFn) -> list[list[int]]:
+    """Block paths of requests that share prefixes like a tree: groups share a trunk, sub-groups a
+    branch after it, each request its own tail. Returns per request [trunk, branch, own] block counts
+    plus ids (trunk id, branch id), as [trunk_blocks, trunk_id, branch_blocks, branch_id, own_blocks]."""
+    rows = []
+    for trunk_id in range(draw(st.integers(1, 3))):
+        trunk = draw(st.integers(0, 4))
+        for branch_id in range(draw(st.integers(1, 3))):
+            branch = draw(st.integers(0, 3))
+            for _ in range(draw(st.integers(1, 3))):
+                rows.append([trunk, trunk_id, branch, branch_id, draw(st.integers(0, 3))])
+    return rows
+
+
+@settings(max_examples=80, deadline=None)
 @given(
-    groups=st.lists(st.tuples(st.integers(0, 4), st.integers(1, 4)), min_size=1, max_size=3),  # (shared blocks, n)
-    tails=st.lists(st.integers(0, 20), min_size=12, max_size=12),  # own tokens after the shared blocks
+    tree=prefix_trees(),
+    cut=st.lists(st.integers(0, 7), min_size=27, max_size=27),  # tokens left unfilled in a request's last block
     block_size=st.sampled_from([1, 4, 8]),
     opts=attn_options(),
     append=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.float32, torch.bfloat16]),
 )
 def test_decode_cascade_over_shared_blocks(
-    groups: list, tails: list, block_size: int, opts: dict, append: bool
+    tree: list, cut: list, block_size: int, opts: dict, append: bool, dtype: torch.dtype
 ) -> None:
-    """Requests whose block tables start with the same physical blocks (prefix caching, forks): the
-    cascade path (shared part once, own part per request, lse merge) equals the reference."""
+    """Requests whose block tables start with the same physical blocks (prefix caching, forks), in
+    trees of shared trunks and branches, some ending inside a shared block they have not filled:
+    the cascade path (shared part once per group, own part per request, lse merge; unshared rows
+    through SDPA) equals the reference."""
     with pytest.MonkeyPatch.context() as monkeypatch:
-        _check_cascade(monkeypatch, groups, tails, block_size, opts, append)
+        _check_cascade(monkeypatch, tree, cut, block_size, opts, append, dtype)
 
 
 def _check_cascade(
-    monkeypatch: pytest.MonkeyPatch, groups: list, tails: list, block_size: int, opts: dict, append: bool
+    monkeypatch: pytest.MonkeyPatch, tree: list, cut: list, block_size: int, opts: dict, append: bool, dtype
 ) -> None:
     monkeypatch.setattr(torch_backend, "CASCADE_MIN_TOKENS", 1)
     opts = {**opts, "window_size": (-1, opts["window_size"][1])}  # the cascade needs no left window
     gen = torch.Generator().manual_seed(opts["seed"])
     h_kv, d = opts["num_kv_heads"], opts["head_dim"]
     h = h_kv * opts["group"]
-    num_blocks = 200
-    k_cache, v_cache = _randn(gen, num_blocks, block_size, h_kv, d), _randn(gen, num_blocks, block_size, h_kv, d)
+    num_blocks = 400
+    k_cache = _randn(gen, num_blocks, block_size, h_kv, d, dtype=dtype)
+    v_cache = _randn(gen, num_blocks, block_size, h_kv, d, dtype=dtype)
     free = torch.randperm(num_blocks, generator=gen).tolist()
-    rows, lens = [], []  # block ids and tokens before the new one, per request
-    for shared, n in groups:
-        prefix = [free.pop() for _ in range(shared)]
-        for _ in range(n):
-            own = tails[len(rows) % len(tails)]
-            total = shared * block_size + own + append  # tokens attended
-            rows.append(prefix + [free.pop() for _ in range(-(-total // block_size) - shared)])
-            lens.append(total - append)
+    trunks: dict[int, list[int]] = {}
+    branches: dict[tuple[int, int], list[int]] = {}
+    rows, lens = [], []  # block ids, and tokens before the new one, per request
+    for i, (trunk, trunk_id, branch, branch_id, own) in enumerate(tree):
+        path = trunks.setdefault(trunk_id, [free.pop() for _ in range(trunk)])
+        path = path + branches.setdefault((trunk_id, branch_id), [free.pop() for _ in range(branch)])
+        shared = len(path)
+        # The new token goes to a block of the request's own (shared blocks are copied on write);
+        # without one, a request may end inside a shared block it has not filled.
+        path = path + [free.pop() for _ in range(max(own, append, 1 if not path else 0))]
+        total = len(path) * block_size - cut[i % len(cut)] % block_size
+        if append:
+            total = max(total, shared * block_size + 1)
+        rows.append(path[: -(-total // block_size)] if total else path[:1])
+        lens.append(total - append)
     width = max(map(len, rows)) + 1
     table = torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int32)
-    k_new = _randn(gen, len(rows), 1, h_kv, d) if append else None
-    v_new = _randn(gen, len(rows), 1, h_kv, d) if append else None
-    q = _randn(gen, len(rows), 1, h, d)
+    k_new = _randn(gen, len(rows), 1, h_kv, d, dtype=dtype) if append else None
+    v_new = _randn(gen, len(rows), 1, h_kv, d, dtype=dtype) if append else None
+    q = _randn(gen, len(rows), 1, h, d, dtype=dtype)
     kw = _kwargs(opts, h, gen)
     calls = []
     cascade = torch_backend._decode_cascade
-    monkeypatch.setattr(torch_backend, "_decode_cascade", lambda *a, **k: calls.append(1) or cascade(*a, **k))
+    monkeypatch.setattr(torch_backend, "_decode_cascade", lambda *a, **k: calls.append(a[5]) or cascade(*a, **k))
     out = torch_backend.paged_decode_attention(
         q, k_cache, v_cache, k_new, v_new, torch.tensor(lens, dtype=torch.int32), table, **kw
     )
+    tol = TOL if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     for b, n in enumerate(lens):
         keys = reference.gather_pages(k_cache, table[b], n + append)  # after the append, if any
         values = reference.gather_pages(v_cache, table[b], n + append)
         if append:
             assert torch.equal(keys[-1], k_new[b, 0])
-        torch.testing.assert_close(out[b], reference.attend_one(q[b], keys, values, **kw), **TOL)
-    sharing = any(s > 0 and n > 1 for s, n in groups)
-    assert bool(calls) == sharing  # the cascade ran exactly when some blocks were shared
+        torch.testing.assert_close(out[b], reference.attend_one(q[b], keys, values, **kw), **tol)
+    # The cascade ran exactly when two requests fully fill a common first block.
+    filled = [tuple(r[: (n + append) // block_size][:1]) for r, n in zip(rows, lens, strict=True)]
+    sharing = any(f and filled.count(f) > 1 for f in filled)
+    assert bool(calls) == sharing
+    for groups in calls:  # every group: >= 2 rows, each filling the shared blocks it claims
+        for members, shared in groups:
+            assert len(members) >= 2 and shared >= 1
+            assert all((lens[r] + append) // block_size >= shared for r in members)
+            assert all(rows[r][:shared] == rows[members[0]][:shared] for r in members)

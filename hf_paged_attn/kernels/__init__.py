@@ -51,10 +51,11 @@ def flash_available(device: torch.device) -> bool:
 
 
 def triton_available(device: torch.device) -> bool:
-    """True when the Triton kernels can run on ``device`` (CUDA and the package importable)."""
-    if device.type != "cuda":
+    """True when the Triton kernels can run on ``device``: CUDA, the package importable (torch's CUDA
+    wheels bring it) and a GPU Triton supports (compute capability 8.0 or newer)."""
+    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
         return False
-    return importlib.util.find_spec("triton") is not None
+    return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def resolve_kernel(
@@ -65,7 +66,8 @@ def resolve_kernel(
     ``auto`` takes the fastest backend that can run this cache: flash-attn when it is installed and
     the block size (a multiple of 256) and dtype (fp16/bf16) suit it, else Triton on CUDA (a power
     of two >= 16; its kernels passed the GPU check on an H200 at 5x the torch backend's throughput),
-    else torch. ``block_size``/``dtype`` of None are not checked.
+    else torch. A ``block_size``/``dtype`` of None suits every backend (``PagedConfig.resolved``
+    then picks the backend's block size).
     """
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r} is not one of {KERNELS}")

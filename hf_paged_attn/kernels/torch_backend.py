@@ -199,23 +199,36 @@ CASCADE_MIN_TOKENS = 32  # shared tokens below which a group is not worth its ow
 def _shared_prefixes(block_table: torch.Tensor, lens: list[int], block_size: int) -> list[tuple[list[int], int]]:
     """Groups of at least two requests whose first blocks are the same physical blocks.
 
-    Returns (rows, shared) pairs: the rows of ``block_table`` in the group and how many leading
-    blocks they share, counting only blocks that every row fills entirely (so each row sees all of
-    their tokens). A block id names its content, so equal ids mean equal keys and values.
+    Returns (rows, shared) pairs: rows of ``block_table`` and how many leading blocks they share,
+    counting only blocks that every row fills entirely (so each row sees all of their tokens). A
+    block id names its content, so equal ids mean equal keys and values. A row is in one group at
+    most. Rows are bucketed by their first ``CASCADE_MIN_TOKENS`` worth of blocks (fewer shared
+    blocks never make a group, so a chat template's common first block does not tie unrelated
+    requests together); inside a bucket the first row leads: the rows sharing its blocks to the
+    depth that saves the most gathered blocks form a group, and the rest of the bucket goes again.
     """
-    groups: dict[int, list[int]] = {}
-    for row, first in enumerate(block_table[:, 0].tolist()):
-        if lens[row] >= block_size:
-            groups.setdefault(first, []).append(row)
+    least = -(-CASCADE_MIN_TOKENS // block_size)  # blocks a group must share
+    if block_table.shape[1] < least:
+        return []
+    full = [n // block_size for n in lens]  # blocks each row fills
+    buckets: dict[tuple[int, ...], list[int]] = {}
+    for row, head in enumerate(block_table[:, :least].tolist()):
+        if full[row] >= least and min(head) >= 0:  # -1: unallocated or released
+            buckets.setdefault(tuple(head), []).append(row)
     out = []
-    for rows in groups.values():
-        full = min(lens[r] for r in rows) // block_size
-        if len(rows) < 2 or full * block_size < CASCADE_MIN_TOKENS:
-            continue
-        sub = block_table[rows, :full]  # [n, full]
-        shared = int((sub == sub[:1]).all(dim=0).int().cumprod(dim=0).sum())  # leading equal columns
-        if shared * block_size >= CASCADE_MIN_TOKENS:
-            out.append((rows, shared))
+    for rows in buckets.values():
+        while len(rows) >= 2:
+            width = max(full[r] for r in rows)
+            sub = block_table[rows, :width]  # [n, width]
+            filled = torch.arange(width).view(1, -1) < torch.tensor([full[r] for r in rows]).view(-1, 1)
+            # Leading blocks each row shares with the leader and fills itself (the leader may not).
+            match = ((sub == sub[:1]).cpu() & filled).int().cumprod(dim=1).sum(dim=1).tolist()  # [n]
+            # Depth d shared by the c rows matching >= d saves (c - 1) * d gathered blocks: keep the best.
+            ranked = sorted(match, reverse=True)
+            depth = max(range(1, len(ranked)), key=lambda k: k * ranked[k])
+            shared = ranked[depth]  # >= least: every row of the bucket shares its first `least` blocks
+            out.append(([r for r, m in zip(rows, match, strict=True) if m >= shared], shared))
+            rows = [r for r, m in zip(rows, match, strict=True) if m < shared]
     return out
 
 
@@ -238,59 +251,95 @@ def _decode_cascade(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    lens: list[int],
+    lens: torch.Tensor,
     block_table: torch.Tensor,
     groups: list[tuple[list[int], int]],
     scale: float,
     softcap: float,
     sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Decode attention as (shared blocks of each group) + (each request's own blocks), merged by lse.
+    """Decode attention of grouped requests as (their group's shared blocks) + (their own blocks),
+    merged by log-sum-exp; requests in no group take the plain path.
 
-    q [B, 1, H, D]; k_cache, v_cache [num_blocks, block_size, H_kv, D]; lens: tokens per request
+    q [B, 1, H, D]; k_cache, v_cache [num_blocks, block_size, H_kv, D]; lens [B]: tokens per request
     (the new one included). Returns [B, 1, H, D] in q.dtype.
     """
     b, _, h, d = q.shape
     block_size, hk = k_cache.shape[1], k_cache.shape[2]
-    qf = q.reshape(b, hk, h // hk, d).float()  # [B, H_kv, group, D]: heads sharing a kv head
-    skip = [0] * b  # shared blocks each request reads through its group
-    for rows, shared in groups:
-        for r in rows:
-            skip[r] = shared
+    out = torch.empty_like(q)  # [B, 1, H, D]
+    grouped = [r for rows, _ in groups for r in rows]
+    alone = sorted(set(range(b)) - set(grouped))
+    if alone:  # SDPA on their own: the explicit path below is ~3x slower per key
+        idx = torch.tensor(alone, device=q.device)
+        out[idx] = _decode_plain(q[idx], k_cache, v_cache, lens[idx], block_table[idx], scale, softcap, sinks)
 
-    # Part B: every request's blocks after its shared ones, gathered per request.
-    own = [-(-n // block_size) - s for n, s in zip(lens, skip, strict=True)]  # blocks left per request
-    width = max(max(own), 1)
-    skip_t = torch.tensor(skip, device=q.device).view(b, 1)  # [B, 1]
-    cols = (skip_t + torch.arange(width, device=q.device)).clamp_max(block_table.shape[1] - 1)  # [B, width]
-    pages = block_table.long().gather(1, cols).clamp_min(0).flatten()  # [B * width]; -1 masked below
-    shape = (b, width * block_size, hk, d)  # [B, L, H_kv, D]
-    keys = k_cache.index_select(0, pages).view(shape).transpose(1, 2).float()  # [B, H_kv, L, D]
+    rows_t = torch.tensor(grouped, device=q.device)  # [G] rows that share, group after group
+    n = len(grouped)
+    qf = q[rows_t].reshape(n, hk, h // hk, d).float()  # [G, H_kv, group, D]: heads sharing a kv head
+    skip = torch.tensor([shared for rows, shared in groups for _ in rows], device=q.device).view(n, 1)  # [G, 1]
+
+    # Part B: each grouped request's blocks after the shared ones, gathered per request.
+    rest = lens[rows_t].view(n, 1) - skip * block_size  # [G, 1] tokens after the shared blocks (>= 0)
+    width = max(int(-(-rest.max() // block_size)), 1)
+    cols = (skip + torch.arange(width, device=q.device)).clamp_max(block_table.shape[1] - 1)  # [G, width]
+    pages = block_table[rows_t].long().gather(1, cols).clamp_min(0).flatten()  # [G * width]; masked below
+    shape = (n, width * block_size, hk, d)  # [G, L, H_kv, D]
+    keys = k_cache.index_select(0, pages).view(shape).transpose(1, 2).float()  # [G, H_kv, L, D]
     values = v_cache.index_select(0, pages).view(shape).transpose(1, 2).float()
-    rest = torch.tensor(lens, device=q.device).view(b, 1) - skip_t * block_size  # [B, 1] tokens in part B
-    visible = (torch.arange(width * block_size, device=q.device) < rest).view(b, 1, 1, -1)  # [B, 1, 1, L]
-    out, lse = _partial(qf, keys, values, visible, scale, softcap)  # [B, H_kv, group, D], [B, H_kv, group]
+    visible = (torch.arange(width * block_size, device=q.device) < rest).view(n, 1, 1, -1)  # [G, 1, 1, L]
+    part, lse = _partial(qf, keys, values, visible, scale, softcap)  # [G, H_kv, group, D], [G, H_kv, group]
 
-    # Part A: each group's shared blocks, gathered once; its queries side by side in one matmul.
+    # Part A: each group's shared blocks, gathered once; the group's queries side by side in one matmul.
+    start = 0
     for rows, shared in groups:
-        n = len(rows)
-        first = block_table[rows[0], :shared].long()  # [shared]
+        span = slice(start, start + len(rows))
+        start += len(rows)
+        first = block_table[rows[0], :shared].long()  # [shared] block ids
         ks = k_cache.index_select(0, first).flatten(0, 1).transpose(0, 1).float()  # [H_kv, shared * bs, D]
         vs = v_cache.index_select(0, first).flatten(0, 1).transpose(0, 1).float()
-        idx = torch.tensor(rows, device=q.device)
-        qg = qf[idx].transpose(0, 1).reshape(hk, -1, d)  # [H_kv, n * group, D]
-        out_a, lse_a = _partial(qg, ks, vs, None, scale, softcap)  # [H_kv, n * group, D], [H_kv, n * group]
-        out_a = out_a.view(hk, n, -1, d).transpose(0, 1)  # [n, H_kv, group, D]
-        lse_a = lse_a.view(hk, n, -1).transpose(0, 1)  # [n, H_kv, group]
-        lse_b = lse[idx]
-        total = torch.logaddexp(lse_a, lse_b)  # [n, H_kv, group]; lse_a is finite (full blocks)
-        out[idx] = out_a * (lse_a - total).exp().unsqueeze(-1) + out[idx] * (lse_b - total).exp().unsqueeze(-1)
-        lse[idx] = total
+        qg = qf[span].transpose(0, 1).reshape(hk, -1, d)  # [H_kv, n_g * group, D]
+        part_a, lse_a = _partial(qg, ks, vs, None, scale, softcap)  # [H_kv, n_g * group, D], [H_kv, n_g * group]
+        part_a = part_a.view(hk, len(rows), -1, d).transpose(0, 1)  # [n_g, H_kv, group, D]
+        lse_a = lse_a.view(hk, len(rows), -1).transpose(0, 1)  # [n_g, H_kv, group]
+        total = torch.logaddexp(lse_a, lse[span])  # [n_g, H_kv, group]; lse_a is finite (full blocks)
+        merged = part_a * (lse_a - total).exp().unsqueeze(-1) + part[span] * (lse[span] - total).exp().unsqueeze(-1)
+        part[span], lse[span] = merged, total
 
     if sinks is not None:  # a sink logit joins the denominator only: rescale by lse / (lse + sink)
         sink = sinks.float().view(1, hk, h // hk)  # [1, H_kv, group]
-        out = out * (lse - torch.logaddexp(lse, sink)).exp().unsqueeze(-1)
-    return out.reshape(b, 1, h, d).to(q.dtype)  # [B, 1, H, D]
+        part = part * (lse - torch.logaddexp(lse, sink)).exp().unsqueeze(-1)
+    out[rows_t] = part.reshape(n, 1, h, d).to(q.dtype)  # [G, 1, H, D]
+    return out
+
+
+def _decode_plain(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    softcap: float,
+    sinks: torch.Tensor | None,
+    causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+) -> torch.Tensor:
+    """Gather each request's pages and attend in one batched call. q [B, 1, H, D]; lens [B] (the new
+    token included) -> [B, 1, H, D] in q.dtype."""
+    block_size = k_cache.shape[1]
+    max_len = int(lens.max()) if lens.numel() else 0
+    if max_len == 0:
+        return torch.zeros_like(q)
+    pages = block_table[:, : -(-max_len // block_size)].long().clamp_min(0)  # [B, n_blocks]; -1 masked below
+    # index_select copies whole pages (memcpy); plain advanced indexing is ~5-20x slower on CPU
+    shape = (pages.shape[0], -1, *k_cache.shape[2:])  # [B, n_blocks * block_size, H_kv, D]
+    keys = k_cache.index_select(0, pages.flatten()).view(shape).transpose(1, 2)  # [B, H_kv, L, D]
+    values = v_cache.index_select(0, pages.flatten()).view(shape).transpose(1, 2)  # [B, H_kv, L, D]
+    k_len = lens.view(-1, 1, 1)  # [B, 1, 1]
+    k_pos = torch.arange(keys.shape[2], device=q.device)  # [L]
+    mask = _visible(k_len - 1, k_pos, k_len, causal, tuple(window_size)).unsqueeze(1)  # [B, 1, 1, L]
+    out = _attend(q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype), mask, False, scale, softcap, sinks)
+    return out.transpose(1, 2).to(q.dtype)  # [B, 1, H, D]
 
 
 def paged_decode_attention(
@@ -319,25 +368,8 @@ def paged_decode_attention(
         _append(k_cache, v_cache, k, v, lens, block_table)
         lens = lens + 1
     max_len = int(lens.max()) if lens.numel() else 0
-    if max_len == 0:
-        return torch.zeros_like(q)
-    block_size = k_cache.shape[1]
-    if window_size[0] < 0 and max_len >= CASCADE_MIN_TOKENS:  # a window would cut into shared blocks
-        lens_list = lens.tolist()
-        groups = _shared_prefixes(block_table, lens_list, block_size)
+    if max_len >= CASCADE_MIN_TOKENS and window_size[0] < 0:  # a window would cut into shared blocks
+        groups = _shared_prefixes(block_table, lens.tolist(), k_cache.shape[1])
         if groups:
-            return _decode_cascade(
-                q, k_cache, v_cache, lens_list, block_table, groups, softmax_scale, softcap, sinks
-            )
-    pages = block_table[:, : -(-max_len // block_size)].long().clamp_min(0)  # [B, n_blocks]; -1 masked below
-    # index_select copies whole pages (memcpy); plain advanced indexing is ~5-20x slower on CPU
-    shape = (pages.shape[0], -1, *k_cache.shape[2:])  # [B, n_blocks * block_size, H_kv, D]
-    keys = k_cache.index_select(0, pages.flatten()).view(shape).transpose(1, 2)  # [B, H_kv, L, D]
-    values = v_cache.index_select(0, pages.flatten()).view(shape).transpose(1, 2)  # [B, H_kv, L, D]
-    k_len = lens.view(-1, 1, 1)  # [B, 1, 1]
-    k_pos = torch.arange(keys.shape[2], device=q.device)  # [L]
-    mask = _visible(k_len - 1, k_pos, k_len, causal, tuple(window_size)).unsqueeze(1)  # [B, 1, 1, L]
-    out = _attend(
-        q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype), mask, False, softmax_scale, softcap, sinks
-    )  # [B, H, 1, D]
-    return out.transpose(1, 2).to(q.dtype)  # [B, 1, H, D]
+            return _decode_cascade(q, k_cache, v_cache, lens, block_table, groups, softmax_scale, softcap, sinks)
+    return _decode_plain(q, k_cache, v_cache, lens, block_table, softmax_scale, softcap, sinks, causal, window_size)
