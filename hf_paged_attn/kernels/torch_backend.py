@@ -210,6 +210,9 @@ def _shared_prefixes(block_table: torch.Tensor, lens: list[int], block_size: int
     least = -(-CASCADE_MIN_TOKENS // block_size)  # blocks a group must share
     if block_table.shape[1] < least:
         return []
+    firsts = block_table[:, 0].tolist()
+    if len(set(firsts)) == len(firsts):  # the common case without prefix sharing: nothing to group
+        return []
     full = [n // block_size for n in lens]  # blocks each row fills
     buckets: dict[tuple[int, ...], list[int]] = {}
     for row, head in enumerate(block_table[:, :least].tolist()):
