@@ -74,7 +74,6 @@ class PagedConfig:
         values.update(changes)
         return PagedConfig(**values)
 
-
     def resolved(self, device: torch.device, dtype: torch.dtype | None = None) -> PagedConfig:
         """This config made concrete for a model on ``device`` in ``dtype``: ``kernel="auto"`` becomes
         the backend that will run, then ``block_size=None`` that backend's size."""

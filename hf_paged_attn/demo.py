@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-prompts", type=int, default=len(PROMPTS))
     parser.add_argument("--max-new-tokens", type=int, default=40)
     parser.add_argument("--kernel", default="auto", choices=["auto", "torch", "flash", "triton"])
-    parser.add_argument("--block-size", type=int, default=None, help="default: by device (8 on CPU)")
+    parser.add_argument("--block-size", type=int, default=None, help="default: the kernel's (8 for torch on CPU)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     args = parser.parse_args(argv)
     torch.manual_seed(0)

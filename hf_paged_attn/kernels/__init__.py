@@ -83,11 +83,9 @@ def resolve_kernel(
     return "torch"
 
 
-def load_backend(
-    kernel: str, device: torch.device, block_size: int | None = None, dtype: torch.dtype | None = None
-) -> ModuleType:
+def load_backend(kernel: str, device: torch.device) -> ModuleType:
     """Import and return the backend module for ``kernel`` (lazily, so optional deps stay optional)."""
-    name = resolve_kernel(kernel, device, block_size, dtype)
+    name = resolve_kernel(kernel, device)
     if name == "flash" and not flash_available(device):
         raise ValueError(
             f"kernel='flash' needs a CUDA device and flash-attn installed (pip install 'hf-paged-attn[flash]'); "
