@@ -4,8 +4,9 @@
     python scripts/soak.py --requests 200 --seed 3 --json soak.json
 
 Requests arrive a few per step with random prompt lengths (many share one of a few "system
-prompt" heads, so the prefix cache hits) and random ``max_new_tokens``; about 5% are aborted a
-random number of steps after they arrive. The cache is small enough that the engine preempts all
+prompt" heads, so the prefix cache hits and the torch backend's cascade decode runs over the shared
+blocks) and random ``max_new_tokens``; about 5% are aborted a random number of steps after they
+arrive. The cache is small enough that the engine preempts all
 the time. The loop checks the allocator's invariants after every step, that every request gets
 exactly one terminal output (its last) and that its streamed ``new_ids`` add up to its final ids.
 At the end it reports completions, aborts, errors, preemptions, prefix hits, leaked blocks and wall
@@ -31,6 +32,7 @@ import torch
 
 import hf_paged_attn  # noqa: F401  (registers attn_implementation="paged")
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
+from hf_paged_attn.kernels import torch_backend
 from hf_paged_attn.request import RequestOutput
 from hf_paged_attn.testing import compare_greedy, load_pair, save_random_model, tiny_llama_config
 
@@ -111,6 +113,7 @@ class SoakConfig:
     max_batch_tokens: int = 128
     arrivals_per_step: int = 3  # on average
     threads: int = 1  # torch intra-op threads while it runs (0: leave torch's setting)
+    cascade_min_tokens: int = 8  # the torch backend's cascade threshold meanwhile (its 32 > these heads)
     progress: bool = False
 
 
@@ -121,13 +124,15 @@ def run_soak(config: SoakConfig | None = None) -> SoakReport:
     for this tiny model, and many times faster than the default on a loaded machine.
     """
     config = config or SoakConfig()
-    previous_threads = torch.get_num_threads()
+    previous_threads, previous_cascade = torch.get_num_threads(), torch_backend.CASCADE_MIN_TOKENS
     if config.threads:
         torch.set_num_threads(config.threads)
+    torch_backend.CASCADE_MIN_TOKENS = config.cascade_min_tokens  # shared heads decode through the cascade
     try:
         return _soak(config)
     finally:
         torch.set_num_threads(previous_threads)
+        torch_backend.CASCADE_MIN_TOKENS = previous_cascade
 
 
 def _soak(c: SoakConfig) -> SoakReport:
@@ -256,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         "check": "finished greedy outputs compared with sdpa generate",
         "num_blocks": "cache blocks (small: constant preemption)",
         "threads": "torch threads while it runs (0: torch's default)",
+        "cascade_min_tokens": "shared tokens that make a cascade-decode group (torch backend)",
         "progress": "print progress to stderr",
     }
     for f in fields(SoakConfig):
