@@ -19,7 +19,7 @@ test: $(STAMP)
 	OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1 $(PY) -m pytest -q
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -m slow
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

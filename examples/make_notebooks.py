@@ -291,7 +291,7 @@ print(f"shared prefix: {len(tokenizer(SYSTEM)['input_ids'])} tokens; prompts: {[
 ## 1. Who hit the cache
 
 `RequestOutput.num_cached_tokens` says how many prompt tokens of a request came from the cache.
-Only **full** blocks are shared (16 tokens each by default), so a hit is a multiple of the block
+Only **full** blocks are shared (8 tokens each by default on CPU), so a hit is a multiple of the block
 size. The first requests miss: they are prefilled in the same step, before any block of the prefix
 exists (the step's token budget, `max_batch_tokens=512`, takes about three of these prompts)."""),
     ("code", """\

@@ -25,7 +25,8 @@ class PagedConfig:
         max_batch_tokens: token budget of one step (decode tokens plus prefill chunks).
         kernel: ``"torch"``, ``"flash"``, ``"triton"`` or ``"auto"``: on CUDA flash-attn when it is
             installed and the block size (None, or a multiple of 256) and dtype (fp16/bf16) suit
-            it, else triton on GPUs of compute capability 8.0 or newer; torch elsewhere.
+            it, else triton on GPUs of compute capability 8.0 or newer (block size None or a power of two
+            >= 16); torch elsewhere.
         enable_prefix_caching: share the KV blocks of identical prompt prefixes between requests.
         memory_fraction: share of free device memory the cache may take when ``num_blocks`` is None.
         progress_bar: show a tqdm bar; ``None`` shows it only in an interactive terminal and only

@@ -4,8 +4,8 @@ Design (measured on CPU, see ``benchmarks/kernels_cpu.py``):
 
 * varlen: requests are bucketed by (query length, key-length power of two) and each bucket is one
   padded, batched attention call. A uniform batch (all prefills of one shape) is one call on a view
-  of the packed tensors; decode-like rows (q_len 1) of a mixed batch share one call whatever their
-  context lengths, while each prefill chunk gets its own call so nothing pads to the longest prompt.
+  of the packed tensors; decode-like rows (q_len 1) of a mixed batch share a call with the rows of
+  similar context length, and prefill chunks of one length likewise, so nothing pads to the longest.
   Padding inside a bucket is at most 2x on the key axis and is masked out.
 * decode: the block table gathers every request's pages into [batch, max_len, H_kv, D] in one
   indexing op, a length/window mask hides the tail, and one batched attention call does the rest.
