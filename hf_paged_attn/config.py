@@ -66,6 +66,11 @@ class PagedConfig:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"PagedConfig.seed must be None or an int, got {self.seed!r}")
 
+    def for_model(self, model: torch.nn.Module) -> PagedConfig:
+        """``resolved`` for ``model``: its device, dtype and whether its attention has sinks."""
+        sinks = any(name.rsplit(".", 1)[-1] == "sinks" for name, _ in model.named_parameters())
+        return self.resolved(model.device, model.dtype, sinks)
+
     def replace(self, **changes: object) -> PagedConfig:
         """A copy with ``changes`` applied (and validated)."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -75,10 +80,11 @@ class PagedConfig:
         values.update(changes)
         return PagedConfig(**values)
 
-    def resolved(self, device: torch.device, dtype: torch.dtype | None = None) -> PagedConfig:
-        """This config made concrete for a model on ``device`` in ``dtype``: ``kernel="auto"`` becomes
-        the backend that will run, then ``block_size=None`` that backend's size."""
-        kernel = resolve_kernel(self.kernel, device, self.block_size, dtype)
+    def resolved(self, device: torch.device, dtype: torch.dtype | None = None, sinks: bool = False) -> PagedConfig:
+        """This config made concrete for a model on ``device`` in ``dtype`` (``sinks``: with attention
+        sinks): ``kernel="auto"`` becomes the backend that will run, then ``block_size=None`` that
+        backend's size."""
+        kernel = resolve_kernel(self.kernel, device, self.block_size, dtype, sinks)
         block_size = self.block_size or {"flash": 256, "triton": 16}.get(kernel, 16 if device.type == "cuda" else 8)
         return self.replace(kernel=kernel, block_size=block_size)
 

@@ -45,7 +45,7 @@ class ContinuousBatchingEngine:
             )
         check_model_supported(model)
         self.model = model
-        self.config = (config or PagedConfig()).resolved(model.device, model.dtype)  # concrete kernel, block size
+        self.config = (config or PagedConfig()).for_model(model)  # the concrete kernel and block size
         self.generation_config = generation_config or model.generation_config
         self.device = model.device
         self.max_position_embeddings = getattr(model.config.get_text_config(), "max_position_embeddings", None)

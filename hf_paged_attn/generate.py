@@ -75,7 +75,7 @@ def paged_generate(
         )
     prompts = _unpad(input_ids, attention_mask)
     paged_config = paged_config or getattr(model, "paged_config", None) or PagedConfig()
-    paged_config = paged_config.resolved(model.device, model.dtype)  # the engine's kernel and block size
+    paged_config = paged_config.for_model(model)  # the engine's kernel and block size
     num_sequences = int(config.num_return_sequences or 1)
     exact_fit = sum(blocks_for(len(p) + max_new_tokens, paged_config.block_size) for p in prompts) * num_sequences
     engine = ContinuousBatchingEngine(

@@ -55,3 +55,23 @@ def test_resolved_picks_the_kernel_then_its_block_size(monkeypatch):
     assert (config.kernel, config.block_size) == ("triton", 32)
     config = PagedConfig(kernel="torch").resolved(cuda)
     assert (config.kernel, config.block_size) == ("torch", 16)
+    config = PagedConfig().resolved(cuda, torch.bfloat16, sinks=True)  # flash-attn 2 has no sinks
+    assert (config.kernel, config.block_size) == ("triton", 16)
+
+
+def test_for_model_sees_attention_sinks(monkeypatch):
+    from transformers import AutoModelForCausalLM, GptOssConfig, LlamaConfig
+
+    import hf_paged_attn.kernels as kernels
+
+    seen = []
+    monkeypatch.setattr(kernels, "resolve_kernel", lambda *args: seen.append(args[-1]) or "torch")
+    monkeypatch.setattr("hf_paged_attn.config.resolve_kernel", kernels.resolve_kernel)
+    config = GptOssConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=2, num_experts_per_tok=1,
+    )  # fmt: skip
+    PagedConfig().for_model(AutoModelForCausalLM.from_config(config))
+    llama = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4)
+    PagedConfig().for_model(AutoModelForCausalLM.from_config(llama))
+    assert seen == [True, False]

@@ -59,7 +59,11 @@ def triton_available(device: torch.device) -> bool:
 
 
 def resolve_kernel(
-    kernel: str, device: torch.device, block_size: int | None = None, dtype: torch.dtype | None = None
+    kernel: str,
+    device: torch.device,
+    block_size: int | None = None,
+    dtype: torch.dtype | None = None,
+    sinks: bool = False,
 ) -> str:
     """Turn ``"auto"`` into a concrete backend name for ``device``.
 
@@ -67,7 +71,8 @@ def resolve_kernel(
     the block size (a multiple of 256) and dtype (fp16/bf16) suit it, else Triton on CUDA (a power
     of two >= 16; its kernels passed the GPU check on an H200 at 5x the torch backend's throughput),
     else torch. A ``block_size``/``dtype`` of None suits every backend (``PagedConfig.resolved``
-    then picks the backend's block size).
+    then picks the backend's block size). ``sinks``: the model has attention sinks (GPT-OSS),
+    which flash-attn 2 lacks.
     """
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r} is not one of {KERNELS}")
@@ -75,7 +80,7 @@ def resolve_kernel(
         return kernel
     flash_block = block_size is None or block_size % 256 == 0
     flash_dtype = dtype is None or dtype in (torch.float16, torch.bfloat16)
-    if flash_available(device) and flash_block and flash_dtype:
+    if flash_available(device) and flash_block and flash_dtype and not sinks:
         return "flash"
     triton_block = block_size is None or (block_size >= 16 and block_size & (block_size - 1) == 0)
     if triton_available(device) and triton_block:

@@ -3,8 +3,8 @@
 The adapter only reshapes what flash-attn is strict about: int32 lengths and block table on the
 query's device, a contiguous block table without ``-1`` entries, tensors with a contiguous last
 dimension, and a paged block size that is a multiple of 256. Features flash-attn 2 lacks (attention
-sinks, fp32) raise ``NotImplementedError`` naming them; ``kernel="auto"`` never picks flash-attn for
-fp32, and for sinks the user picks ``kernel="triton"`` (README, troubleshooting).
+sinks, fp32) raise ``NotImplementedError`` naming them; ``kernel="auto"`` never picks flash-attn
+for them (``PagedConfig.for_model``).
 
 flash-attn is imported lazily by ``_load_flash_attn`` (tests substitute a stand-in module there).
 """
