@@ -95,3 +95,20 @@ def compare_greedy(
 
 def unpadded_rows(sequences: torch.Tensor, input_len: int) -> list[list[int]]:
     return [row[input_len:].tolist() for row in sequences]
+
+
+def shuffled_block_table(
+    lens: list[int], block_size: int, gen: torch.Generator, spare: int = 0
+) -> tuple[torch.Tensor, int]:
+    """A block table giving request b room for lens[b] tokens in shuffled blocks, -1 past each
+    request's blocks and in one trailing column; returns (table int32 [B, max_blocks + 1], num_blocks
+    including ``spare`` blocks nobody owns)."""
+    per = [-(-n // block_size) for n in lens]  # blocks per request
+    num_blocks = sum(per) + spare
+    order = torch.randperm(num_blocks, generator=gen).int()
+    table = torch.full((len(lens), max(per) + 1), -1, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(per):
+        table[b, :n] = order[used : used + n]
+        used += n
+    return table, num_blocks

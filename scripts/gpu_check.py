@@ -101,14 +101,9 @@ def load_backends() -> dict[str, object]:
 
 def make_pages(lens: list[int], block_size: int, h_kv: int, d: int, dtype: torch.dtype, gen: torch.Generator):
     """Random CUDA pages for lens[b] tokens under a shuffled block table (-1 past each request)."""
-    per = [-(-n // block_size) for n in lens]
-    num_blocks = sum(per) + 2
-    order = torch.randperm(num_blocks, generator=gen).int()
-    table = torch.full((len(lens), max(per) + 1), -1, dtype=torch.int32)
-    used = 0
-    for b, n in enumerate(per):
-        table[b, :n] = order[used : used + n]
-        used += n
+    from hf_paged_attn.testing import shuffled_block_table
+
+    table, num_blocks = shuffled_block_table(lens, block_size, gen, spare=2)
     shape = (num_blocks, block_size, h_kv, d)
     k_cache = torch.randn(shape, generator=gen).to(dtype)
     v_cache = torch.randn(shape, generator=gen).to(dtype)

@@ -16,6 +16,7 @@ import torch
 
 from hf_paged_attn.kernels import flash_backend as fb
 from hf_paged_attn.kernels import reference
+from hf_paged_attn.testing import shuffled_block_table
 
 BF16_TOL = 3e-2
 
@@ -133,14 +134,7 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeFlashAttn:
 def paged_case(lens: list[int], block_size: int = 256, h_kv: int = 2, d: int = 16, seed: int = 0):
     """bf16 pages with room for lens[b] tokens under a shuffled table (trailing -1 column)."""
     gen = torch.Generator().manual_seed(seed)
-    per = [-(-n // block_size) for n in lens]
-    num_blocks = sum(per) + 1
-    order = torch.randperm(num_blocks, generator=gen).int()
-    table = torch.full((len(lens), max(per) + 1), -1, dtype=torch.int32)
-    used = 0
-    for b, n in enumerate(per):
-        table[b, :n] = order[used : used + n]
-        used += n
+    table, num_blocks = shuffled_block_table(lens, block_size, gen, spare=1)
     k_cache = torch.randn(num_blocks, block_size, h_kv, d, generator=gen).bfloat16()
     v_cache = torch.randn(num_blocks, block_size, h_kv, d, generator=gen).bfloat16()
     return k_cache, v_cache, table, gen
