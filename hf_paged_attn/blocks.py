@@ -20,6 +20,11 @@ RELEASED = -1  # a request's block that fell out of its sliding window and was f
 PrefixKey = tuple[int, int, tuple[int, ...]]
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks needed to hold ``num_tokens`` tokens (ceiling division)."""
+    return -(-num_tokens // block_size)
+
+
 class BlockAllocator:
     """Free blocks, reference counts, and the prefix cache.
 

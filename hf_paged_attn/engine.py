@@ -12,13 +12,13 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList
 
 from .batch import build_step
-from .blocks import BlockAllocator
+from .blocks import BlockAllocator, blocks_for
 from .cache import PagedAttentionCache, bytes_per_block, free_memory_bytes
 from .config import PagedConfig
 from .kernels import load_backend
 from .request import Request, RequestOutput, validate_prompt
 from .sampling import make_sampling_params, sample_tokens
-from .scheduler import Scheduler, SchedulerOutput, blocks_for
+from .scheduler import Scheduler, SchedulerOutput
 from .stats import EngineStats
 from .support import check_model_supported
 

@@ -8,10 +8,10 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .blocks import blocks_for
 from .config import PagedConfig
 from .engine import ContinuousBatchingEngine
 from .request import RequestOutput
-from .scheduler import blocks_for
 
 _REFUSED = {  # generate() arguments with no meaning here, refused by name rather than ignored
     "stopping_criteria": "custom stopping criteria",

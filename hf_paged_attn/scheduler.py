@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .blocks import RELEASED, BlockAllocator
+from .blocks import RELEASED, BlockAllocator, blocks_for
 from .request import Request, Status
 
 
@@ -27,10 +27,6 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     preempted: list[Request] = field(default_factory=list)
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
 
 
 class Scheduler:

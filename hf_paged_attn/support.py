@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
 # Architectures whose attention passes every generic check but still computes something the paged
-# kernels don't (found by ``python -m hf_paged_attn.compat``).
+# kernels don't (found by ``python -m hf_paged_attn.devtools.compat``).
 KNOWN_UNSUPPORTED: dict[str, str] = {
     "diffllama": "its differential attention splits and repeats V after cache.update, so the paged "
     "decode kernel would read other values than the model's",

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hf_paged_attn  # noqa: F401  (registers "paged")
-from hf_paged_attn.testing import load_pair, save_random_model, tiny_llama_config
+from hf_paged_attn.devtools.testing import load_pair, save_random_model, tiny_llama_config
 
 VOCAB = 256
 
@@ -26,16 +26,6 @@ def ragged_prompts(num: int, low: int, high: int, seed: int = 0) -> list[list[in
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(low, high + 1, (num,), generator=gen).tolist()
     return [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in lengths]
-
-
-def right_padded(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, p in enumerate(prompts):
-        ids[row, : len(p)] = torch.tensor(p)
-        mask[row, : len(p)] = 1
-    return ids, mask
 
 
 def reference_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:

@@ -7,9 +7,9 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
-from hf_paged_attn.testing import compare_greedy, left_padded, unpadded_rows
+from hf_paged_attn.devtools.testing import compare_greedy, left_padded, unpadded_rows
 
-from .conftest import ragged_prompts, reference_greedy, right_padded
+from .conftest import ragged_prompts, reference_greedy
 
 NEW = 48
 
@@ -65,7 +65,7 @@ def test_generate_equals_sdpa(llama_pair, batch, expected, paged_config):
 def test_right_padding(llama_pair, batch, expected):
     ref, paged = llama_pair
     prompts, ids, _ = batch
-    rids, rmask = right_padded(prompts)
+    rids, rmask = left_padded(prompts, side="right")
     out = paged.generate(input_ids=rids, attention_mask=rmask, max_new_tokens=NEW)
     got = unpadded_rows(out, rids.shape[1])
     check(ref, prompts, unpadded_rows(expected, ids.shape[1]), got)
@@ -98,7 +98,7 @@ def test_engine_generate_100_ragged_prompts(llama_pair):
 
 
 def test_eos_and_padding_after_it(llama_dir, batch, expected):
-    from hf_paged_attn.testing import load_pair
+    from hf_paged_attn.devtools.testing import load_pair
 
     prompts, ids, mask = batch
     new = expected[:, ids.shape[1] :]

@@ -1,5 +1,5 @@
 """Model coverage: a representative slice of the compatibility matrix, through the same code as
-``python -m hf_paged_attn.compat`` (tiny random model saved and reloaded, ragged left-padded greedy
+``python -m hf_paged_attn.devtools.compat`` (tiny random model saved and reloaded, ragged left-padded greedy
 generate compared with sdpa/eager). The full matrix is the slow test at the bottom."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from transformers import BertConfig, BertLMHeadModel
 
 from hf_paged_attn import PagedConfig, support
-from hf_paged_attn.compat import candidates, check_model
+from hf_paged_attn.devtools.compat import candidates, check_model
 
 PASSING = {
     "llama": "grouped-query attention, head_dim 32 != hidden 64 / 4 heads",
@@ -94,7 +94,7 @@ def sliding_pair(tmp_path_factory):
     """A tiny Mistral: every layer slides the same 8-token window."""
     from transformers import MistralConfig
 
-    from hf_paged_attn.testing import load_pair, save_random_model, tiny_llama_config
+    from hf_paged_attn.devtools.testing import load_pair, save_random_model, tiny_llama_config
 
     base = tiny_llama_config().to_dict()
     for key in ("model_type", "architectures", "transformers_version"):

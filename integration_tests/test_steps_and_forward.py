@@ -6,7 +6,7 @@ import torch
 
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
 from hf_paged_attn.batch import build_step
-from hf_paged_attn.testing import left_padded
+from hf_paged_attn.devtools.testing import left_padded
 
 from .conftest import ragged_prompts
 

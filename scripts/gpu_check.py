@@ -101,7 +101,7 @@ def load_backends() -> dict[str, object]:
 
 def make_pages(lens: list[int], block_size: int, h_kv: int, d: int, dtype: torch.dtype, gen: torch.Generator):
     """Random CUDA pages for lens[b] tokens under a shuffled block table (-1 past each request)."""
-    from hf_paged_attn.testing import shuffled_block_table
+    from hf_paged_attn.devtools.testing import shuffled_block_table
 
     table, num_blocks = shuffled_block_table(lens, block_size, gen, spare=2)
     shape = (num_blocks, block_size, h_kv, d)
@@ -277,6 +277,7 @@ def greedy_parity(directory: str, dtype: torch.dtype, kernel: str, device: str =
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from hf_paged_attn import PagedConfig
+    from hf_paged_attn.devtools.testing import left_padded
 
     vocab = AutoConfig.from_pretrained(directory).vocab_size
     gen = torch.Generator().manual_seed(1)
@@ -301,11 +302,7 @@ def greedy_parity(directory: str, dtype: torch.dtype, kernel: str, device: str =
     model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="paged", dtype=dtype)
     model = model.to(device).eval()
     width = max(prompt_lens)
-    input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    attention_mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        input_ids[i, width - len(p) :] = p
-        attention_mask[i, width - len(p) :] = 1
+    input_ids, attention_mask = left_padded([p.tolist() for p in prompts])
     batch = {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device)}
     # Block size 256: flash-attn's paged decode needs a multiple of 256; the others take any.
     paged_config = PagedConfig(kernel=kernel, block_size=256 if kernel == "flash" else 16)

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hf_paged_attn.blocks import blocks_for
 from hf_paged_attn.kernels import reference, torch_backend
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -107,7 +108,7 @@ def _paged_case(
     gen: torch.Generator, lens: list[int], bs: int, h_kv: int, d: int, extra_cols: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """Random per-request K/V stored in shuffled pages of ``bs`` tokens -> caches, block table, K and V."""
-    need = [-(-n // bs) for n in lens]  # blocks per request
+    need = [blocks_for(n, bs) for n in lens]  # blocks per request
     width = max(need) + extra_cols
     num_blocks = sum(need) + 3  # a few spare blocks that nobody owns
     ids = torch.randperm(num_blocks, generator=gen).tolist()
@@ -288,7 +289,7 @@ def _check_cascade(
         total = len(path) * block_size - cut[i % len(cut)] % block_size
         if append:
             total = max(total, shared * block_size + 1)
-        rows.append(path[: -(-total // block_size)] if total else path[:1])
+        rows.append(path[: blocks_for(total, block_size)] if total else path[:1])
         lens.append(total - append)
     width = max(map(len, rows)) + 1
     table = torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int32)

@@ -25,6 +25,7 @@ import torch  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from hf_paged_attn.blocks import blocks_for  # noqa: E402
 from hf_paged_attn.kernels import reference  # noqa: E402
 from hf_paged_attn.kernels import triton_backend as tb  # noqa: E402
 
@@ -46,10 +47,6 @@ SLOW = settings(max_examples=50, deadline=None, suppress_health_check=[HealthChe
 # ----------------------------------------------------------------------------------------------
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def make_pages(
     lens: list[int],
     block_size: int,
@@ -63,7 +60,7 @@ def make_pages(
     Returns k_cache, v_cache [num_blocks, block_size, H_kv, D] and block_table int32 [B, max_blocks]
     with at least one trailing -1 column, and spare blocks no request owns (they must never be read).
     """
-    per_request = [_cdiv(n, block_size) for n in lens]
+    per_request = [blocks_for(n, block_size) for n in lens]
     max_blocks = max(per_request, default=0) + 1
     num_blocks = sum(per_request) + 2
     order = torch.randperm(num_blocks, generator=gen).int()  # shuffled: logical != physical order

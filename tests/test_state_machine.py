@@ -24,9 +24,9 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from hf_paged_attn.blocks import BlockAllocator
+from hf_paged_attn.blocks import BlockAllocator, blocks_for
 from hf_paged_attn.request import Request, Status
-from hf_paged_attn.scheduler import Scheduler, SchedulerOutput, blocks_for
+from hf_paged_attn.scheduler import Scheduler, SchedulerOutput
 
 ALPHABET = (1, 2)
 MAX_PROMPT = 12

@@ -21,6 +21,7 @@ import torch
 from transformers import GenerationConfig
 
 from ..config import PagedConfig
+from ..devtools.testing import left_padded
 from ..engine import ContinuousBatchingEngine
 from .workloads import BLOCK_SIZE, MAX_BATCH_TOKENS, Workload
 
@@ -55,16 +56,6 @@ def greedy_config(**extra: Any) -> GenerationConfig:
 
 def _batches(work: Workload, size: int) -> list[list[int]]:
     return [list(range(i, min(i + size, work.num_requests))) for i in range(0, work.num_requests, size)]
-
-
-def _left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, prompts))
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        mask[row, width - len(prompt) :] = 1
-    return ids, mask
 
 
 def _latencies(start: float, stamps: dict[int, list[float]], counts: list[int]) -> tuple[list[float], list[float]]:
@@ -152,13 +143,13 @@ def run_hf_padded(model: torch.nn.Module, work: Workload, concurrency: int) -> R
 
 
 def _static_batches(name: str, model: torch.nn.Module, work: Workload, size: int, **kwargs: Any) -> RunResult:
-    ids, mask = (t.to(model.device) for t in _left_padded([WARMUP_PROMPT]))
+    ids, mask = (t.to(model.device) for t in left_padded([WARMUP_PROMPT]))
     model.generate(ids, attention_mask=mask, generation_config=greedy_config(max_new_tokens=2), **kwargs)
     outputs: list[list[int]] = [[] for _ in range(work.num_requests)]
     generated = 0
     cpu_start, start = time.process_time(), time.perf_counter()
     for batch in _batches(work, size):
-        ids, mask = (t.to(model.device) for t in _left_padded([work.prompts[i] for i in batch]))
+        ids, mask = (t.to(model.device) for t in left_padded([work.prompts[i] for i in batch]))
         longest = max(work.max_new_tokens[i] for i in batch)
         config = greedy_config(max_new_tokens=longest)
         with torch.inference_mode():

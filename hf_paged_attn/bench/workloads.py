@@ -6,14 +6,14 @@ Every system of a benchmark run sees exactly the same prompts and per-request ``
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import LlamaConfig
 
-from ..testing import save_random_model
+from ..blocks import blocks_for
+from ..devtools.testing import save_random_model
 
 BLOCK_SIZE = 8  # PagedConfig's default on CPU (benchmarks/README.md: block size)
 MAX_BATCH_TOKENS = 512
@@ -126,7 +126,7 @@ def _spec_dict(spec: ModelSpec) -> dict[str, int]:
 
 def blocks_to_fit(prompts: list[list[int]], max_new_tokens: list[int]) -> int:
     """Blocks that hold every request at full length at once (no preemption possible)."""
-    return sum(math.ceil((len(p) + n) / BLOCK_SIZE) for p, n in zip(prompts, max_new_tokens))
+    return sum(blocks_for(len(p) + n, BLOCK_SIZE) for p, n in zip(prompts, max_new_tokens))
 
 
 def _draw(gen: torch.Generator, low: int, high: int, count: int) -> list[int]:

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import hf_paged_attn
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
 
-DEMO_MODEL = Path(__file__).parent / "assets" / "demo-model"
+DEMO_MODEL = Path(__file__).parent.parent / "assets" / "demo-model"
 
 PROMPTS = [
     "The for statement",
@@ -95,6 +95,3 @@ def main(argv: list[str] | None = None) -> None:
         f"peak {stats.peak_used_blocks}/{stats.num_blocks} blocks, {stats.num_preemptions} preemptions"
     )
 
-
-if __name__ == "__main__":
-    main()

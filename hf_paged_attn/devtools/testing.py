@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedConfig
 
+from ..blocks import blocks_for
+
 
 def tiny_llama_config(**overrides) -> LlamaConfig:
     """A 2-layer GQA Llama (vocab 256) whose random greedy tokens vary; no EOS by default."""
@@ -33,14 +35,16 @@ def tiny_llama_config(**overrides) -> LlamaConfig:
     return LlamaConfig(**values)
 
 
-def left_padded(rows: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask) of ``rows`` left-padded to the longest, as tokenizers do."""
+def left_padded(rows: list[list[int]], pad: int = 0, side: str = "left") -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) of ``rows`` padded to the longest, as tokenizers do: on the left
+    by default (what ``generate`` wants), on the right with ``side="right"``."""
     width = max(map(len, rows))
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, row in enumerate(rows):
-        ids[i, width - len(row) :] = torch.tensor(row)
-        mask[i, width - len(row) :] = 1
+        cols = slice(width - len(row), width) if side == "left" else slice(0, len(row))
+        ids[i, cols] = torch.tensor(row, dtype=torch.long)
+        mask[i, cols] = 1
     return ids, mask
 
 
@@ -103,7 +107,7 @@ def shuffled_block_table(
     """A block table giving request b room for lens[b] tokens in shuffled blocks, -1 past each
     request's blocks and in one trailing column; returns (table int32 [B, max_blocks + 1], num_blocks
     including ``spare`` blocks nobody owns)."""
-    per = [-(-n // block_size) for n in lens]  # blocks per request
+    per = [blocks_for(n, block_size) for n in lens]  # blocks per request
     num_blocks = sum(per) + spare
     order = torch.randperm(num_blocks, generator=gen).int()
     table = torch.full((len(lens), max(per) + 1), -1, dtype=torch.int32)
