@@ -5,9 +5,10 @@ Importing the package registers ``"paged"`` with transformers.
 
 from .cache import PagedAttentionCache
 from .config import PagedConfig
-from .engine import ContinuousBatchingEngine, EngineStats
+from .engine import ContinuousBatchingEngine
 from .integration import register
-from .request import RequestOutput
+from .request import RequestOutput, TokenLogprob
+from .stats import EngineStats
 
 __all__ = [
     "ContinuousBatchingEngine",
@@ -15,6 +16,7 @@ __all__ = [
     "PagedAttentionCache",
     "PagedConfig",
     "RequestOutput",
+    "TokenLogprob",
     "register",
 ]
 __version__ = "0.1.0"
