@@ -61,12 +61,12 @@ def is_cli(orig_argv: Sequence[str]) -> bool:
 def apply_cli_defaults(
     orig_argv: Sequence[str] | None = None, environ: MutableMapping[str, str] | None = None
 ) -> dict[str, str]:
-    """Set :data:`CLI_DEFAULTS` the user left unset when running a command; returns what was set."""
+    """Set :data:`CLI_DEFAULTS` the user left unset (or empty) when running a command; returns what was set."""
     orig_argv = sys.orig_argv if orig_argv is None else orig_argv
     environ = os.environ if environ is None else environ
     if not is_cli(orig_argv):
         return {}
-    applied = {k: v for k, v in CLI_DEFAULTS.items() if k not in environ}
+    applied = {k: v for k, v in CLI_DEFAULTS.items() if not environ.get(k)}  # empty: OpenMP's default, not a choice
     environ.update(applied)
     return applied
 

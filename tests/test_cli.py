@@ -59,6 +59,8 @@ def test_defaults_only_for_commands_and_the_user_wins():
     environ = {"OMP_WAIT_POLICY": "ACTIVE"}
     assert _env.apply_cli_defaults(command, environ) == {}
     assert environ == {"OMP_WAIT_POLICY": "ACTIVE"}
+    environ = {"OMP_WAIT_POLICY": ""}  # empty is libgomp's default, not a choice
+    assert _env.apply_cli_defaults(command, environ) == {"OMP_WAIT_POLICY": "PASSIVE"}
     environ = {}
     assert _env.apply_cli_defaults([PY, "my_app.py"], environ) == {} and environ == {}
 
