@@ -3,6 +3,9 @@
 Importing the package registers ``"paged"`` with transformers.
 """
 
+# First, before anything imports torch: importing _env applies the commands' environment defaults
+# (OMP_WAIT_POLICY=PASSIVE for hf-paged-attn and python -m hf_paged_attn.demo/.bench; no-op for a library import).
+from . import _env  # noqa: F401  # isort: split
 from .cache import PagedAttentionCache
 from .config import PagedConfig
 from .engine import ContinuousBatchingEngine
