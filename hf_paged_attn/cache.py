@@ -135,6 +135,7 @@ class PagedAttentionCache(Cache):
                 "PagedAttentionCache.update was called outside an engine step; run generation through "
                 "model.generate or ContinuousBatchingEngine, or call the model without this cache"
             )
+        meta = meta.on(key_states.device)  # a layer placed on another device reads its own copy
         layer = self.layers[layer_idx]
         if not layer.is_initialized:
             layer.lazy_initialization(key_states, value_states)

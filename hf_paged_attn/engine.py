@@ -13,9 +13,10 @@ from transformers import GenerationConfig, LogitsProcessorList
 
 from .batch import build_step
 from .blocks import BlockAllocator, blocks_for
-from .cache import PagedAttentionCache, bytes_per_block, free_memory_bytes
+from .cache import PagedAttentionCache
 from .config import PagedConfig
 from .kernels import load_backend
+from .placement import blocks_from_memory, input_device
 from .request import Request, RequestOutput, validate_prompt
 from .sampling import make_sampling_params, sample_tokens
 from .scheduler import Scheduler, SchedulerOutput
@@ -47,7 +48,7 @@ class ContinuousBatchingEngine:
         self.model = model
         self.config = (config or PagedConfig()).for_model(model)  # the concrete kernel and block size
         self.generation_config = generation_config or model.generation_config
-        self.device = model.device
+        self.device = input_device(model)  # not model.device: with accelerate's offload that may be "meta"
         self.max_position_embeddings = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         self.backend = load_backend(self.config.kernel, self.device)
         check_block_size = getattr(self.backend, "check_block_size", None)
@@ -352,9 +353,8 @@ class ContinuousBatchingEngine:
         return tqdm(total=total, disable=not show, desc="paged generate", unit="req")
 
     def _blocks_from_memory(self) -> int:
-        dtype = next(self.model.parameters()).dtype
-        per_block = bytes_per_block(self.model.config, self.config.block_size, dtype)
-        budget = int(free_memory_bytes(self.device) * self.config.memory_fraction) // per_block
+        # each device that holds layers (accelerate's device_map) must fit its layers' pages
+        budget = blocks_from_memory(self.model, self.config.block_size, self.config.memory_fraction)
         # More blocks than max_num_seqs full-length sequences can never be used.
         max_len = self.max_position_embeddings or 4096
         useful = self.config.max_num_seqs * blocks_for(max_len, self.config.block_size)

@@ -14,6 +14,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList
 from transformers.generation.configuration_utils import GenerationMode
 
+from .placement import input_device
 from .request import Request
 
 SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
@@ -71,12 +72,13 @@ def make_sampling_params(
     """Resolve ``config`` as ``generate`` does and build its processors for one request."""
     config = copy.deepcopy(config)
     check_supported(config)
-    model._prepare_special_tokens(config, True, device=model.device)
+    device = input_device(model)  # where logits arrive; model.device is "meta" when accelerate offloads
+    model._prepare_special_tokens(config, True, device=device)
     processors = model._get_logits_processor(
         generation_config=config,
         input_ids_seq_length=prompt_length,
         logits_processor=extra_processors or LogitsProcessorList(),
-        device=model.device,
+        device=device,
         model_kwargs={},
     )
     eos = config._eos_token_tensor
