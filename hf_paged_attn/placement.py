@@ -62,7 +62,10 @@ def input_device(model: torch.nn.Module) -> torch.device:
     """Where the model wants its ``input_ids``: the execution device of the input embeddings (the
     top module's hook moves outputs back to it), else the model's own device. Cheap unless accelerate
     hooked an ancestor of the embeddings only (then every module is visited once)."""
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    try:
+        embeddings = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # not a transformers model, or one without embeddings
+        embeddings = None
     device = None
     if embeddings is not None:
         device = hook_device(embeddings)
