@@ -47,6 +47,7 @@ def paged_attention_forward(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if meta is None:
         return plain_attention(module, query, key, value, attention_mask, dropout, scale, softcap, s_aux, **kwargs)
+    meta = meta.on(query.device)  # layers spread over devices: the step's tensors where this one runs
     if isinstance(attention_mask, PagedWindow):
         sliding_window, attention_mask = sliding_window or attention_mask.size, None
     layer = check_attention_call(module, key, value, attention_mask, meta)

@@ -17,7 +17,6 @@ import torch
 from transformers import Cache, PreTrainedConfig
 from transformers.cache_utils import CacheLayerMixin
 
-from .blocks import blocks_for
 from .step import StepMetadata
 
 # The step running in this thread, for the attention function of models whose decoder layers don't
@@ -131,6 +130,7 @@ class PagedAttentionCache(Cache):
                 "PagedAttentionCache.update was called outside an engine step; run generation through "
                 "model.generate or ContinuousBatchingEngine, or call the model without this cache"
             )
+        meta = meta.on(key_states.device)  # a layer placed on another device reads its own copy
         layer = self.layers[layer_idx]
         if not layer.is_initialized:
             layer.lazy_initialization(key_states, value_states)
@@ -175,21 +175,6 @@ def bytes_per_block(config: PreTrainedConfig, block_size: int, dtype: torch.dtyp
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     element = torch.empty((), dtype=dtype).element_size()
     return 2 * text.num_hidden_layers * block_size * num_kv_heads * head_dim * element
-
-
-def blocks_from_memory(
-    config: PreTrainedConfig,
-    block_size: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    memory_fraction: float,
-    max_num_seqs: int,
-) -> int:
-    """How many blocks ``memory_fraction`` of the free memory of ``device`` holds, capped at what
-    ``max_num_seqs`` sequences of the model's full length could ever use."""
-    budget = int(free_memory_bytes(device) * memory_fraction) // bytes_per_block(config, block_size, dtype)
-    max_len = getattr(config.get_text_config(), "max_position_embeddings", None) or 4096
-    return max(1, min(budget, max_num_seqs * blocks_for(max_len, block_size)))
 
 
 def free_memory_bytes(device: torch.device) -> int:

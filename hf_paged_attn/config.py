@@ -77,8 +77,10 @@ class PagedConfig:
 
     def for_model(self, model: torch.nn.Module) -> PagedConfig:
         """``resolved`` for ``model``: its device, dtype and whether its attention has sinks."""
+        from .placement import kernel_device  # placement needs the cache, which needs the kernels
+
         sinks = any(name.rsplit(".", 1)[-1] == "sinks" for name, _ in model.named_parameters())
-        return self.resolved(model.device, model.dtype, sinks)
+        return self.resolved(kernel_device(model), model.dtype, sinks)  # not model.device: "meta" when offloaded
 
     def replace(self, **changes: object) -> PagedConfig:
         """A copy with ``changes`` applied (and validated)."""

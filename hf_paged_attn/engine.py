@@ -11,13 +11,14 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 
 from .batch_api import BatchAPI
 from .blocks import BlockAllocator, blocks_for
-from .cache import PagedAttentionCache, blocks_from_memory
+from .cache import PagedAttentionCache
 from .config import PagedConfig
 from .intake import Intake
 from .kernels import load_backend
 from .kv_manager import KVBlockManager
 from .layers import LayerKinds
 from .model_checks import check_model_supported
+from .placement import blocks_from_memory, input_device
 from .policy import POLICIES
 from .request import Request, RequestOutput, validate_prompt
 from .sampling import Sample, make_sampling_params, sample_tokens, should_stop
@@ -50,13 +51,13 @@ class ContinuousBatchingEngine(BatchAPI):
         self.model = model
         self.config = config = (config or PagedConfig()).for_model(model)  # the concrete kernel and block size
         self.generation_config = generation_config or model.generation_config
-        self.device = model.device
+        self.device = input_device(model)  # not model.device: with accelerate's offload that may be "meta"
         self.max_position_embeddings = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         self.backend = load_backend(config.kernel, self.device)
         self.layers = LayerKinds.from_config(model.config)
-        num_blocks = num_blocks or config.num_blocks or blocks_from_memory(
-            model.config, config.block_size, model.dtype, self.device, config.memory_fraction, config.max_num_seqs
-        )
+        if not (num_blocks := num_blocks or config.num_blocks):  # what fits, capped at what can be used
+            useful = config.max_num_seqs * blocks_for(self.max_position_embeddings or 4096, config.block_size)
+            num_blocks = max(1, min(blocks_from_memory(model, config.block_size, config.memory_fraction), useful))
         self.allocator = BlockAllocator(num_blocks, config.enable_prefix_caching)
         self.kv = KVBlockManager(self.allocator, config.block_size, self.layers)
         policy = POLICIES[config.scheduling_policy]

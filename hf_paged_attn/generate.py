@@ -11,6 +11,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .blocks import blocks_for
 from .config import PagedConfig
 from .engine import ContinuousBatchingEngine
+from .placement import input_device
 from .request import RequestOutput
 
 _REFUSED = {  # generate() arguments with no meaning here, refused by name rather than ignored
@@ -71,7 +72,7 @@ def paged_generate(
         inputs_tensor=input_ids,
         input_ids_length=input_ids.shape[1],
     )
-    model._prepare_special_tokens(config, attention_mask is not None, device=model.device)
+    model._prepare_special_tokens(config, attention_mask is not None, device=input_device(model))
     max_new_tokens = config.max_length - input_ids.shape[1]
     if max_new_tokens <= 0:
         raise ValueError(

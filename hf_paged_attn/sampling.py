@@ -17,6 +17,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import MaxTimeCriteria, StopStringCriteria
 
+from .placement import input_device
 from .request import Request, TokenLogprob
 
 SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
@@ -101,17 +102,18 @@ def make_sampling_params(
         raise ValueError(f"logprobs must be None or an int >= 0, got {logprobs!r}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ValueError(f"seed must be None or an int, got {seed!r}")
-    model._prepare_special_tokens(config, True, device=model.device)
+    device = input_device(model)  # where logits arrive; model.device is "meta" when accelerate offloads
+    model._prepare_special_tokens(config, True, device=device)
     processors = model._get_logits_processor(
         generation_config=config,
         input_ids_seq_length=prompt_length,
         logits_processor=extra_processors or LogitsProcessorList(),
-        device=model.device,
+        device=device,
         model_kwargs={},
     )
     eos = config._eos_token_tensor
     eos_ids = frozenset(eos.flatten().tolist()) if eos is not None else frozenset()
-    generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
+    generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     return SamplingParams(
         generation_config=config,
         processors=processors,

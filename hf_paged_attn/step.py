@@ -7,7 +7,8 @@ and to ``PagedAttentionCache.update`` through the cache; nothing downstream reco
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
@@ -40,6 +41,25 @@ class StepMetadata:
     # The cache.PagedLayer that PagedAttentionCache.update wrote last: the attention call that
     # follows attends over its pages (set by the cache during the forward).
     last_layer: Any = None
+    # This step's metadata per device, shared by every copy (see ``on``)
+    copies: dict[torch.device, StepMetadata] = field(default_factory=dict, repr=False)
+
+    def on(self, device: torch.device) -> StepMetadata:
+        """This metadata with its tensors on ``device``, moved at most once per step and device: the
+        layers of a model that accelerate spreads over devices each read it where they run. Not
+        named ``to``: accelerate's hooks would call that on every hooked module."""
+        if self.input_ids.device == device:
+            return self
+        self.copies.setdefault(self.input_ids.device, self)  # so that a copy finds its way back
+        copy = self.copies.get(device)
+        if copy is None:  # tiny tensors; a blocking copy keeps device-to-host moves safe
+            moved = {
+                f.name: value.to(device)
+                for f in dataclasses.fields(self)
+                if isinstance(value := getattr(self, f.name), torch.Tensor)
+            }
+            copy = self.copies[device] = dataclasses.replace(self, **moved)  # shares ``copies``
+        return copy
 
 
 def cumulative(lengths: list[int], device: torch.device) -> torch.Tensor:
