@@ -4,6 +4,7 @@
     python -m hf_paged_attn.bench --workload uniform       # 64 requests (several minutes on 2 cores)
     python -m hf_paged_attn.bench --workload shared-prefix
     python -m hf_paged_attn.bench --workload scale [--with-baselines]
+    python -m hf_paged_attn.bench --serve [--model random]  # HTTP: our server vs transformers serve
 
 Writes ``OUT/<workload>.json`` and ``OUT/<workload>_throughput.png``; see benchmarks/README.md.
 """
@@ -43,6 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, help="override the number of requests (quick runs)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--serve", action="store_true", help="benchmark the HTTP servers instead (--serve --help)")
     return parser.parse_args(argv)
 
 
@@ -83,4 +85,10 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--serve" in argv:  # its own options: see hf_paged_attn.bench.serve
+        from .serve import main as serve_main
+
+        argv.remove("--serve")
+        return serve_main(argv)
     run(argv)

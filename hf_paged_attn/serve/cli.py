@@ -123,9 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     class Server(uvicorn.Server):
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
             await super().startup(sockets)
-            if self.started:
-                logger.info("ready: %s (model %r, %s, %d KV blocks of %d tokens)", url, settings.model_name,
-                            engine.device, engine.stats.num_blocks, engine.config.block_size)
+            if self.started:  # printed at every log level: scripts wait for this line
+                print(f"hf-paged-attn serve: ready: {url} (model {settings.model_name!r}, {engine.device}, "
+                      f"{engine.stats.num_blocks} KV blocks of {engine.config.block_size} tokens)",
+                      file=sys.stderr, flush=True)
 
     config = uvicorn.Config(
         app, log_level=args.log_level if args.log_level == "debug" else "warning", access_log=False,

@@ -9,13 +9,13 @@ and an OpenAI ``finish_reason`` on the last one. Whatever way the consumer stops
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .engine_loop import EngineLoop
 from .protocol import APIError
-from .text import IncrementalText
+from .text import IncrementalText, make_decoder
 
 # The engine's finish reasons in OpenAI's words: "stop" for EOS and stop strings, "length" for max_tokens.
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -83,7 +83,7 @@ class JobRun:
     def __init__(self, job: Job, loop: EngineLoop, tokenizer: Any) -> None:
         self.job = job
         self.loop = loop
-        self.tokenizer = tokenizer
+        self.decode = make_decoder(tokenizer)
         self.queue: asyncio.Queue = asyncio.Queue()
 
     def submit(self) -> None:
@@ -91,7 +91,7 @@ class JobRun:
         try:
             for p, prompt in enumerate(job.prompts):
                 for j in range(job.n):
-                    choice = Choice(len(job.choices), p, IncrementalText(self.tokenizer, job.stop))
+                    choice = Choice(len(job.choices), p, IncrementalText(self.decode, job.stop))
                     kwargs = dict(job.engine_kwargs)
                     if kwargs.get("seed") is not None:
                         kwargs["seed"] += j
@@ -113,7 +113,7 @@ class JobRun:
                 choice, out = await self.queue.get()
                 if choice.finish_reason is not None:
                     continue  # stopped by a stop sequence; the engine had a step more in flight
-                event = _event(choice, out, self.tokenizer)
+                event = _event(choice, out, self.decode)
                 if event.finish_reason is not None:
                     num_open -= 1
                     if not out.finished:  # our stop sequence ended it before the engine knew
@@ -129,7 +129,7 @@ class JobRun:
                 self.loop.abort(choice.request_id)
 
 
-def _event(choice: Choice, out: Any, tokenizer: Any) -> ChoiceEvent:
+def _event(choice: Choice, out: Any, decode: Callable[[list[int]], str]) -> ChoiceEvent:
     if out.finish_reason == "error":
         raise APIError(500, f"generation failed: {out.error}", code="generation_error")
     if out.finish_reason == "abort":
@@ -144,9 +144,9 @@ def _event(choice: Choice, out: Any, tokenizer: Any) -> ChoiceEvent:
     event.finish_reason = choice.finish_reason
     if getattr(out, "logprobs", None) and out.new_ids:
         for entry in out.logprobs[-len(out.new_ids) :]:
-            token = tokenizer.decode([entry.token_id])
+            token = decode([entry.token_id])
             if choice.offset < len(choice.text.text) or not choice.text.stopped:  # drop what the stop cut off
-                top = [(tokenizer.decode([t]), lp) for t, lp in entry.top]
+                top = [(decode([t]), lp) for t, lp in entry.top]
                 event.logprobs.append(TokenInfo(token, entry.logprob, choice.offset, top))
             choice.offset += len(token)
     return event

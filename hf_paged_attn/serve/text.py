@@ -7,16 +7,37 @@ sequence (or an incomplete UTF-8 character) is held back until the next tokens d
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 REPLACEMENT = "\ufffd"  # what a tokenizer decodes half a UTF-8 character to
 
 
+def make_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
+    """``tokenizer.decode(ids, skip_special_tokens=True)``, calling the Rust tokenizer directly
+    where that is all ``decode`` does: it skips a per-id Python conversion that costs more than
+    the decoding itself, once per token per stream."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # pragma: no cover - another transformers layout
+        TokenizersBackend = None  # noqa: N806
+    backend = getattr(tokenizer, "_tokenizer", None)
+    plain = (
+        TokenizersBackend is not None
+        and isinstance(tokenizer, TokenizersBackend)
+        and type(tokenizer)._decode is TokenizersBackend._decode
+        and not getattr(tokenizer, "clean_up_tokenization_spaces", False)
+    )
+    if plain and backend is not None:
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
 class IncrementalText:
     """Decode a growing list of token ids into text deltas, stopping at the first stop sequence."""
 
-    def __init__(self, tokenizer: Any, stop: list[str]) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, decode: Callable[[list[int]], str], stop: list[str]) -> None:
+        self.decode = decode
         self.stop = stop
         self.ids: list[int] = []
         self.text = ""  # everything decided so far (sent or ready to send)
@@ -29,7 +50,7 @@ class IncrementalText:
         if self.stopped:
             return ""
         self.ids += new_ids
-        full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        full = self.decode(self.ids)
         cut = self._find_stop(full)
         if cut is not None:
             full, self.stopped = full[:cut], True
@@ -57,8 +78,3 @@ class IncrementalText:
                     unsure = k
                     break
         return unsure
-
-
-def token_texts(tokenizer: Any, ids: list[int]) -> list[str]:
-    """Each token decoded on its own (the strings OpenAI's logprobs name tokens by)."""
-    return [tokenizer.decode([i]) for i in ids]
