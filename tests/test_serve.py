@@ -120,6 +120,8 @@ def test_token_prompts_several_prompts_and_echo(client, reference):
     assert [c.index for c in out.choices] == [0, 1, 2]
     assert [c.text for c in out.choices] == [greedy(i, 12) for i in ids]
     assert out.usage.prompt_tokens == sum(map(len, ids))
+    default = client.completions.create(model=NAME, prompt=ids[0], max_tokens=None, temperature=0)
+    assert default.usage.completion_tokens <= 16  # OpenAI's default for completions
     echoed = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=12, temperature=0, echo=True)
     assert echoed.choices[0].text == PROMPTS[0] + out.choices[0].text
 

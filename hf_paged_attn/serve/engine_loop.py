@@ -111,9 +111,12 @@ class EngineLoop:
                 for out in outputs:
                     if out.finished:
                         self._live.discard(out.request_id)
-            self.stats = self.engine.stats
-            if self.metrics:
-                self.metrics.record_step(outputs)
+            try:  # bookkeeping must never stop the thread: every open request would hang
+                self.stats = self.engine.stats
+                if self.metrics:
+                    self.metrics.record_step(outputs)
+            except Exception:
+                logger.exception("updating the metrics failed")
             if outputs:
                 try:
                     self._loop.call_soon_threadsafe(self._deliver, outputs)

@@ -51,7 +51,8 @@ class Handlers:
         req: CompletionRequest = parse(CompletionRequest, await _json(request))
         self._check_model(req.model)
         prompts, texts = self._completion_prompts(req.prompt)
-        job = self._job(req, prompts, [req.max_tokens] * len(prompts), req.logprobs)
+        limit = req.max_tokens if req.max_tokens is not None else 16  # an explicit null: OpenAI's default
+        job = self._job(req, prompts, [limit] * len(prompts), req.logprobs)
         echo = texts if req.echo else [""] * len(prompts)
         run = self._start(job)
         meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.settings.model_name}
