@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
-from .batch import StepMetadata
 from .cache import ACTIVE_STEP, pad_head_dim
-from .support import check_attention_call
+from .model_checks import check_attention_call
+from .step import StepMetadata
 
 
 @dataclass(frozen=True, slots=True)

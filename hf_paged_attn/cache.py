@@ -17,7 +17,8 @@ import torch
 from transformers import Cache, PreTrainedConfig
 from transformers.cache_utils import CacheLayerMixin
 
-from .batch import StepMetadata
+from .blocks import blocks_for
+from .step import StepMetadata
 
 # The step running in this thread, for the attention function of models whose decoder layers don't
 # forward **kwargs (Nemotron), so that the ``paged_metadata`` forward kwarg never reaches it.
@@ -41,7 +42,7 @@ class PagedLayer(CacheLayerMixin):
         self.is_sliding = is_sliding
         self.window: int | None = None  # sliding window the attention used last (None: full)
         # Weak references to the K/V that the last update returned: the attention function checks
-        # that it got exactly these (support.check_attention_call) without keeping them alive.
+        # that it got exactly these (model_checks.check_attention_call) without keeping them alive.
         self.returned: tuple[weakref.ref, weakref.ref] | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -107,13 +108,9 @@ class PagedAttentionCache(Cache):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.metadata: StepMetadata | None = None
-        # The layer of the last update: the attention call that follows reads its pages. Not the
-        # module's layer_idx, which some models offset (HRM reuses layers across recurrent cycles).
-        self.last_layer: PagedLayer | None = None
 
     @contextlib.contextmanager
     def step(self, metadata: StepMetadata) -> Iterator[StepMetadata]:
-        metadata.cache = self
         self.metadata = metadata
         token = ACTIVE_STEP.set(metadata)
         try:
@@ -121,7 +118,6 @@ class PagedAttentionCache(Cache):
         finally:
             ACTIVE_STEP.reset(token)
             self.metadata = None
-            self.last_layer = None
             for layer in self.layers:
                 layer.returned = None
 
@@ -145,14 +141,14 @@ class PagedAttentionCache(Cache):
             key_states = keys.transpose(0, 1).unsqueeze(0)  # [1, H_kv, K, D]
             value_states = values.transpose(0, 1).unsqueeze(0)
         layer.returned = (weakref.ref(key_states), weakref.ref(value_states))
-        self.last_layer = layer
+        # The attention call that follows reads this layer's pages. Not through the module's
+        # layer_idx, which some models offset (HRM reuses layers across recurrent cycles).
+        meta.last_layer = layer
         return key_states, value_states
 
-    def uniform_window(self) -> int | None:
-        """The sliding window when every layer attends through the same one, else None. Only then
-        may blocks that fell out of the window be freed: one block id serves all layers."""
-        windows = {layer.window for layer in self.layers}
-        return windows.pop() if len(windows) == 1 else None
+    def observed_windows(self) -> list[int | None]:
+        """The sliding window each layer's attention used at the last step (None: full)."""
+        return [layer.window for layer in self.layers]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block ``dst`` becomes a copy of block ``src`` in every layer."""
@@ -179,6 +175,21 @@ def bytes_per_block(config: PreTrainedConfig, block_size: int, dtype: torch.dtyp
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     element = torch.empty((), dtype=dtype).element_size()
     return 2 * text.num_hidden_layers * block_size * num_kv_heads * head_dim * element
+
+
+def blocks_from_memory(
+    config: PreTrainedConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    memory_fraction: float,
+    max_num_seqs: int,
+) -> int:
+    """How many blocks ``memory_fraction`` of the free memory of ``device`` holds, capped at what
+    ``max_num_seqs`` sequences of the model's full length could ever use."""
+    budget = int(free_memory_bytes(device) * memory_fraction) // bytes_per_block(config, block_size, dtype)
+    max_len = getattr(config.get_text_config(), "max_position_embeddings", None) or 4096
+    return max(1, min(budget, max_num_seqs * blocks_for(max_len, block_size)))
 
 
 def free_memory_bytes(device: torch.device) -> int:

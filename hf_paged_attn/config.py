@@ -6,7 +6,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from .kernels import KERNELS, resolve_kernel
+from .kernels import BACKENDS, KERNELS, resolve_kernel
+from .policy import POLICIES
 
 
 @dataclass(slots=True)
@@ -33,6 +34,9 @@ class PagedConfig:
             for more than a handful of requests.
         seed: seed of the sampling generator; ``None`` draws it from torch's global RNG, so
             ``torch.manual_seed`` makes sampled output reproducible as with ``generate``.
+        scheduling_policy: ``"fcfs"`` (first come, first served) or ``"priority"`` (lower
+            ``add_request(..., priority=)`` first, ties by arrival; the lowest priority is preempted
+            first). See ``policy.py``.
     """
 
     block_size: int | None = None
@@ -44,6 +48,7 @@ class PagedConfig:
     memory_fraction: float = 0.5
     progress_bar: bool | None = None
     seed: int | None = None
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_batch_tokens"):
@@ -51,6 +56,10 @@ class PagedConfig:
         for name in ("block_size", "num_blocks"):
             if getattr(self, name) is not None:
                 _require_positive_int(name, getattr(self, name))
+        if self.scheduling_policy not in POLICIES:
+            raise ValueError(
+                f"PagedConfig.scheduling_policy must be one of {tuple(POLICIES)}, got {self.scheduling_policy!r}"
+            )
         if self.kernel not in KERNELS:
             raise ValueError(f"PagedConfig.kernel must be one of {KERNELS}, got {self.kernel!r}")
         if not isinstance(self.enable_prefix_caching, bool):
@@ -85,7 +94,9 @@ class PagedConfig:
         sinks): ``kernel="auto"`` becomes the backend that will run, then ``block_size=None`` that
         backend's size."""
         kernel = resolve_kernel(self.kernel, device, self.block_size, dtype, sinks)
-        block_size = self.block_size or {"flash": 256, "triton": 16}.get(kernel, 16 if device.type == "cuda" else 8)
+        backend = BACKENDS[kernel]
+        block_size = self.block_size or backend.default_block_size(device)
+        backend.check_block_size(block_size)
         return self.replace(kernel=kernel, block_size=block_size)
 
 

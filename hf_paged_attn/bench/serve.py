@@ -9,7 +9,7 @@ Each client sends its requests one after another (streamed, ``temperature=0``); 
 together. Throughput is completion tokens over the wall time of the whole run; time to first token
 (TTFT) and inter-token latency (ITL, the gap between consecutive text chunks) are per request, as the
 client sees them. The systems alternate, ``--repeat`` runs each; the report gives medians.
-Writes ``OUT/serve_<model>.json``.
+Writes ``OUT/serve_<model>.json`` (``--out``, default: the bench's folder in the user's cache).
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ from typing import Any
 
 from ..demo import DEMO_MODEL, PROMPTS
 from ..serve.launch import ServerProcess
+from .command import default_out_dir
 from .workloads import ModelSpec
 
+PROG = "python -m hf_paged_attn.bench --serve"
 SYSTEMS = ("paged", "transformers")
 # The random model: the benchmark's usual Llama shape with the demo tokenizer's vocabulary.
 RANDOM_MODEL = ModelSpec(vocab_size=4096, max_position_embeddings=1024)
@@ -46,10 +48,8 @@ class RequestTiming:
     text: str = ""
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="hf-paged-attn bench --serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def parse_args(argv: list[str] | None = None, prog: str = PROG) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="demo", help="'demo' (bundled), 'random' (28M random Llama) or a local path")
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--requests-per-client", type=int, default=2)
@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
     p.add_argument("--repeat", type=int, default=3, help="runs per system, alternating systems; medians reported")
     p.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of each server (default 2)")
-    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--out", type=Path, default=None, help=f"directory for the JSON (default: {default_out_dir()})")
     p.add_argument("--smoke", action="store_true", help="4 clients x 1 request, 8 tokens, our server only")
     args = p.parse_args(argv)
     if args.smoke:
@@ -152,8 +152,8 @@ def median_of(results: list[dict[str, Any]]) -> dict[str, Any]:
     return {"requests": results[0]["requests"], "completion_tokens": results[0]["completion_tokens"], **medians}
 
 
-def run(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
+def run(argv: list[str] | None = None, prog: str = PROG) -> dict[str, Any]:
+    args = parse_args(argv, prog)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
@@ -186,7 +186,7 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     if len(texts) == 2:
         a, b = texts.values()
         report["same_text"] = f"{sum(x == y for x, y in zip(a, b))}/{len(a)}"
-    out = Path(args.out)
+    out = args.out or default_out_dir()
     out.mkdir(parents=True, exist_ok=True)
     name = args.model if args.model in ("demo", "random") else Path(args.model).name
     path = out / f"serve_{'smoke' if args.smoke else name}.json"
@@ -214,8 +214,8 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    run(argv)
+def main(argv: list[str] | None = None, prog: str = PROG) -> None:
+    run(argv, prog)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ class ServerProcess:
                  start_timeout: float = 120.0, command: list[str] | None = None, url: str = "") -> None:
         self.command = command or [sys.executable, "-m", "hf_paged_attn.serve", str(model), "--port", "0"]
         self.command += list(args or [])
-        self.env = {**os.environ, **(env or {})}
+        # Idle OpenMP threads that spin steal the cores of a shared machine (see hf_paged_attn._env).
+        self.env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, **(env or {})}
         self.start_timeout = start_timeout
         self.url = ""
         self._health_url = url

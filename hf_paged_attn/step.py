@@ -1,4 +1,4 @@
-"""Batch building: the one place where a step's tensors are made.
+"""Step builder: the one place where a step's tensors are made, once per step, never per layer.
 
 A step packs every scheduled request's new tokens along one axis (batch size 1 for the model).
 The metadata built here travels to the attention function as the ``paged_metadata`` forward kwarg
@@ -9,14 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
+from .layers import LayerKinds
 from .scheduler import ScheduledRequest
-
-if TYPE_CHECKING:
-    from .cache import PagedAttentionCache
 
 
 @dataclass(slots=True, eq=False)
@@ -39,7 +37,9 @@ class StepMetadata:
     logits_indices: torch.Tensor  # [num_sampled] int64, rows of the packed batch that are sampled
     is_decode: bool  # every request feeds exactly one token: the paged decode kernel runs
     backend: ModuleType | None = None
-    cache: PagedAttentionCache | None = None
+    # The cache.PagedLayer that PagedAttentionCache.update wrote last: the attention call that
+    # follows attends over its pages (set by the cache during the forward).
+    last_layer: Any = None
 
 
 def cumulative(lengths: list[int], device: torch.device) -> torch.Tensor:
@@ -66,14 +66,15 @@ def build_step(
     scheduled: list[ScheduledRequest],
     block_size: int,
     device: torch.device,
+    layers: LayerKinds | None = None,
     sampled: list[bool] | None = None,
-    window: int | None = None,
 ) -> StepMetadata:
     """Tensors of one step. ``sampled[i]`` says whether request i's last new token is sampled
-    (default: when its chunk reaches the end of its known tokens). With a ``window`` shared by
-    every layer, the varlen path gets each request's keys from the first one its first query can
-    see (older blocks may already be freed); the causal mask is bottom-right aligned, so dropping
-    invisible leading keys changes nothing."""
+    (default: when its chunk reaches the end of its known tokens). With a window shared by every
+    layer (``layers.uniform_window``), the varlen path gets each request's keys from the first one
+    its first query can see (older blocks may already be freed); the causal mask is bottom-right
+    aligned, so dropping invisible leading keys changes nothing."""
+    window = layers.uniform_window if layers is not None else None
     q_lens = [s.num_new_tokens for s in scheduled]
     starts = [s.request.num_computed_tokens for s in scheduled]
     key_starts = [max(start - window + 1, 0) if window else 0 for start in starts]
