@@ -24,14 +24,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from hf_paged_attn.demo import DEMO_MODEL, PROMPTS  # noqa: E402
 from hf_paged_attn.serve.launch import ServerProcess  # noqa: E402
 
-try:
-    from hf_paged_attn import TokenLogprob  # noqa: F401
-except ImportError:  # the engine's logprobs/seed land with it
-    HAS_ENGINE_LOGPROBS = False
-else:
-    HAS_ENGINE_LOGPROBS = True
-needs_engine_logprobs = pytest.mark.skipif(not HAS_ENGINE_LOGPROBS, reason="this engine has no logprobs/seed yet")
-
 NAME = "demo"
 TIMEOUT = 60.0  # per HTTP call: a loaded CI machine is slow, a hang must still fail
 
@@ -188,7 +180,6 @@ def test_stop_sequences_are_cut_from_the_text(client, reference):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
-@needs_engine_logprobs
 def test_logprobs(client):
     out = client.completions.create(model=NAME, prompt="The for statement", max_tokens=8, temperature=0, logprobs=3)
     lp = out.choices[0].logprobs
@@ -206,7 +197,6 @@ def test_logprobs(client):
     assert all(len(t.top_logprobs) == 2 and t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)
 
 
-@needs_engine_logprobs
 def test_seed_makes_sampling_repeatable(client):
     def sample(seed):
         return client.completions.create(
