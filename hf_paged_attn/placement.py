@@ -99,18 +99,23 @@ def blocks_from_memory(
     memory_fraction: float,
     dtype: torch.dtype | None = None,
     free_bytes: Callable[[torch.device], int] = free_memory_bytes,
+    layers_per_block: int | None = None,
 ) -> int:
     """How many blocks fit everywhere: one block id spans every layer, so each device must hold a
     block's pages for each of its layers. The minimum over devices of
     ``free_bytes(device) * memory_fraction // (bytes per block per layer * layers on device)``.
 
     ``dtype`` is the K/V dtype (default: the model's parameters'; offloaded ``meta`` parameters keep
-    theirs). ``free_bytes`` is injectable for tests; it defaults to ``cache.free_memory_bytes``."""
+    theirs). ``free_bytes`` is injectable for tests; it defaults to ``cache.free_memory_bytes``.
+    ``layers_per_block``: the page tensors one block id spans when fewer than the layers (hybrid
+    models share a pool between attention groups, all on one device)."""
     if dtype is None:
         dtype = next(model.parameters()).dtype
     num_layers = model.config.get_text_config().num_hidden_layers
     per_layer = bytes_per_block(model.config, block_size, dtype) // num_layers
     counts = Counter(layer_devices(model))
+    if layers_per_block is not None:
+        counts = Counter({device: layers_per_block for device in counts})
     return min(int(free_bytes(device) * memory_fraction) // (per_layer * n) for device, n in counts.items())
 
 
