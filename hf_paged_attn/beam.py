@@ -194,9 +194,8 @@ class BeamGroup:
             beam.output_ids.append(token)
             scheduler.add_running(beam)
             fresh.append(beam)
-        for beam in old:
-            scheduler.remove(beam)
         self.beams = fresh
+        self.drop_beams(old, scheduler)  # a row one of them computes in this very step (after a preemption) is void
 
     def finish(self, scheduler: Scheduler) -> list[Request]:
         """End the search: the head and its ``num_return_sequences - 1`` siblings get the best
@@ -218,8 +217,11 @@ class BeamGroup:
 
     def drop(self, scheduler: Scheduler) -> None:
         """Free every live beam (the search finished, failed or was aborted)."""
-        for beam in self.beams:
-            if beam is not self.head:
-                beam.status = Status.FINISHED
-            scheduler.remove(beam)
+        self.drop_beams(self.beams, scheduler)
         self.beams, self.pending = [], {}
+
+    def drop_beams(self, beams: list[Request], scheduler: Scheduler) -> None:
+        for beam in beams:
+            scheduler.remove(beam)
+            if beam is not self.head:  # the head finishes with the search, reported to the caller
+                beam.status = Status.FINISHED
