@@ -13,6 +13,7 @@ from .config import PagedConfig
 from .engine import ContinuousBatchingEngine
 from .placement import input_device
 from .request import RequestOutput
+from .sampling import RUN_ANYWAY
 
 _REFUSED = {  # generate() arguments with no meaning here, refused by name rather than ignored
     "prefix_allowed_tokens_fn": "prefix_allowed_tokens_fn",
@@ -38,7 +39,7 @@ def paged_generate(
     """Continuous-batching ``generate``: rows of the padded batch become requests."""
     for name, what in _REFUSED.items():
         if kwargs.pop(name, None) is not None:
-            raise NotImplementedError(f"{what} is not supported by the paged engine's generate")
+            raise NotImplementedError(f"{what} is not supported by the paged engine's generate; {RUN_ANYWAY}")
     if kwargs.pop("synced_gpus", None):
         raise NotImplementedError("synced_gpus is not supported by the paged engine's generate")
     has_default_max_length = kwargs.get("max_length") is None and (
@@ -56,7 +57,9 @@ def paged_generate(
         if model_kwargs.pop(name, None) is not None:
             raise NotImplementedError(f"{name}= is not supported: the paged engine builds its own cache")
     if model_kwargs:
-        raise NotImplementedError(f"model inputs {sorted(model_kwargs)} are not supported by the paged engine")
+        raise NotImplementedError(
+            f"model inputs {sorted(model_kwargs)} are not supported by the paged engine; {RUN_ANYWAY}"
+        )
     num_sequences = int(config.num_return_sequences or 1)
     num_beams = int(config.num_beams or 1)
     if streamer is not None and num_beams > 1:
