@@ -201,3 +201,16 @@ def test_streamer_is_refused_with_beams(pair):
     ids, mask = left_padded(PROMPTS[:1])
     with pytest.raises(ValueError, match="beam search"):
         paged.generate(input_ids=ids, attention_mask=mask, num_beams=2, max_new_tokens=2, streamer=object())
+
+
+def test_a_group_split_by_the_token_budget_still_moves_in_lockstep(pair):
+    """max_batch_tokens=3 < 4 beams: a step computes only some beams; the group decides once all
+    its beams' logits are in, with the same result."""
+    ref, paged, eos = pair
+    ids, mask = left_padded(PROMPTS)
+    kwargs = dict(num_beams=4, num_return_sequences=2, max_new_tokens=NEW, eos_token_id=eos,
+                  return_dict_in_generate=True, output_scores=True)  # fmt: skip
+    expected = ref.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    config = PagedConfig(block_size=4, max_batch_tokens=3)
+    actual = paged.generate(input_ids=ids, attention_mask=mask, paged_config=config, **kwargs)
+    check_beams(ref, expected, actual, PROMPTS, 2)
