@@ -10,6 +10,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
 from .batch_api import BatchAPI
+from .beam import BeamGroup
 from .blocks import BlockAllocator, blocks_for
 from .cache import PagedAttentionCache
 from .config import PagedConfig
@@ -21,7 +22,7 @@ from .model_checks import check_model_supported
 from .placement import blocks_from_memory, input_device, layer_devices
 from .policy import POLICIES
 from .request import Request, RequestOutput, validate_prompt
-from .sampling import Sample, make_sampling_params, sample_tokens, should_stop
+from .sampling import Sample, make_sampling_params, resolve_max_new_tokens, sample_one, sample_rows, should_stop
 from .scheduler import Scheduler, SchedulerOutput
 from .stats import EngineStats, StepCounters
 from .step import StepMetadata, build_step
@@ -84,12 +85,14 @@ class ContinuousBatchingEngine(BatchAPI):
         seed: int | None = None,
         tokenizer: object | None = None,
         stopping_criteria: StoppingCriteriaList | None = None,
+        padding: Sequence[int] | None = None,
     ) -> str:
         """Queue one prompt; returns its request id. Bad input raises ValueError and queues nothing.
 
         ``priority``: lower runs first under ``scheduling_policy="priority"``. ``logprobs=k``: record
         each new token's log-probability and its ``k`` best alternatives. ``seed``: the request's own
-        sampling generator. ``tokenizer``: needed by ``generation_config.stop_strings``.
+        sampling generator. ``tokenizer``: for ``stop_strings``. ``padding``: the prompt's left padding
+        in ``model.generate``'s batch, which its processors see. Beam search: ``num_beams`` > 1.
         """
         text_config = self.model.config.get_text_config()
         prompt = validate_prompt(input_ids, text_config.vocab_size, self.max_position_embeddings)
@@ -97,21 +100,19 @@ class ContinuousBatchingEngine(BatchAPI):
         config = self.generation_config
         if generation_config is not None:
             config = self.model._prepare_generation_config(generation_config)[0]
-        if max_new_tokens is None:
-            max_new_tokens = config.max_new_tokens
-            if max_new_tokens is None:
-                max_new_tokens = max(config.max_length - len(prompt), 0) if config.max_length else 20
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        max_new_tokens = resolve_max_new_tokens(config, len(prompt), max_new_tokens)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an int, got {priority!r}")
         sampling = make_sampling_params(
             self.model, config, len(prompt), logits_processor,
             stopping_criteria=stopping_criteria, tokenizer=tokenizer, seed=seed, logprobs=logprobs,
+            max_new_tokens=max_new_tokens, prefix=padding,
         )  # fmt: skip
         request = Request("", prompt, max_new_tokens, sampling, arrival=0, priority=priority)
+        if (num_beams := config.num_beams or 1) > 1:
+            request.group = BeamGroup(request, num_beams, int(config.num_return_sequences or 1))
         if not self.scheduler.can_ever_fit(request):
-            need = blocks_for(request.max_total_tokens - 1, self.config.block_size)
+            need = self.kv.blocks_needed(request, copies=num_beams)
             raise ValueError(
                 f"prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens} needs {need} blocks of "
                 f"{self.config.block_size} tokens; the whole cache has {self.allocator.num_blocks}"
@@ -166,42 +167,33 @@ class ContinuousBatchingEngine(BatchAPI):
         for s in plan.scheduled:
             self.kv.commit(s.request, s.num_new_tokens)
         sampled = [s.request for s in plan.scheduled if s.request.num_computed_tokens == s.request.num_tokens]
+        rows = [row for row, r in enumerate(sampled) if r.group is None]
         outputs = []
-        for row, (request, sample) in enumerate(zip(sampled, self._sample(logits, sampled))):
-            siblings = self._fork(request, logits[row : row + 1]) if request.children else []
-            for r, s in [(request, sample), *siblings]:
+        for row, sample in zip(rows, sample_rows(logits[rows], [sampled[row] for row in rows], self.generator)):
+            siblings = self._fork(sampled[row], logits[row : row + 1]) if sampled[row].children else []
+            for r, s in [(sampled[row], sample), *siblings]:
                 outputs += self._update(r, s, logits[row : row + 1])
+        for row, beam in enumerate(sampled):  # a beam group moves once all its beams' logits are in
+            if beam.group is not None and not beam.finished and beam.group.receive(beam, logits[row]):
+                outputs += self._advance(beam.group)
         return outputs
 
     def _forward(self, meta: StepMetadata) -> torch.Tensor:
         """Logits of the sampled rows only: [num_sampled, vocab] float32."""
         with self.cache.step(meta):
-            out = self.model(
-                input_ids=meta.input_ids,
-                position_ids=meta.position_ids,
-                cache=self.cache,
-                use_cache=True,
-                paged_metadata=meta,
-                logits_to_keep=meta.logits_indices,
-            )
+            out = self.model(input_ids=meta.input_ids, position_ids=meta.position_ids, cache=self.cache, use_cache=True,
+                             paged_metadata=meta, logits_to_keep=meta.logits_indices)  # fmt: skip
         logits = out.logits[0]
         if logits.shape[0] != meta.logits_indices.numel():  # model without logits_to_keep support
             logits = logits[meta.logits_indices]
         return logits.float()
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[Sample | Exception]:
-        """One sample per request; a request whose sampling raises (e.g. a custom logits processor)
-        gets the exception instead, and the others are sampled row by row."""
+    def _advance(self, group: BeamGroup) -> list[RequestOutput]:
+        """A beam search step: the next beams fork their parents' blocks, or the search ends."""
         try:
-            return sample_tokens(logits, requests, self.generator)
-        except Exception:
-            return [self._sample_one(logits[row : row + 1], r) for row, r in enumerate(requests)]
-
-    def _sample_one(self, logits: torch.Tensor, request: Request) -> Sample | Exception:
-        try:
-            return sample_tokens(logits, [request], self.generator)[0]
-        except Exception as exc:
-            return exc
+            return [self._emit(r) for r in group.advance(self.kv, self.scheduler, self.generator)]
+        except Exception as exc:  # e.g. a caller's processor or criterion: this request fails alone
+            return self._finish(group.head, "error", exc)
 
     def _fork(self, parent: Request, logits: torch.Tensor) -> list[tuple[Request, Sample | Exception]]:
         """num_return_sequences: siblings share the parent's blocks (copy on write) and draw their
@@ -212,7 +204,7 @@ class ContinuousBatchingEngine(BatchAPI):
                 continue
             self.kv.fork(parent, child)
             self.scheduler.add_running(child)
-            forked.append((child, self._sample_one(logits, child)))
+            forked.append((child, sample_one(logits, child, self.generator)))
         parent.children = []
         return forked
 
@@ -236,6 +228,11 @@ class ContinuousBatchingEngine(BatchAPI):
 
     def _finish(self, request: Request, reason: str, exc: Exception | None = None) -> list[RequestOutput]:
         """Finish ``request`` (and the siblings it has yet to fork), free its blocks, emit its final output."""
+        if request.group is not None:  # a beam: the whole search ends, reported on its head
+            request = request.group.head
+            request.group.drop(self.scheduler)
+        if request.finished:
+            return []
         outputs = []
         for r in [request, *request.children]:
             r.finish(reason, f"{type(exc).__name__}: {exc}" if exc is not None else None)

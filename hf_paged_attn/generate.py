@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
-from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.generation.utils import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 
 from .config import PagedConfig
 from .engine import ContinuousBatchingEngine
@@ -14,6 +14,7 @@ from .kv_manager import blocks_at_peak
 from .layers import LayerKinds
 from .placement import input_device
 from .request import RequestOutput
+from .sampling import RUN_ANYWAY
 
 _REFUSED = {  # generate() arguments with no meaning here, refused by name rather than ignored
     "prefix_allowed_tokens_fn": "prefix_allowed_tokens_fn",
@@ -39,7 +40,7 @@ def paged_generate(
     """Continuous-batching ``generate``: rows of the padded batch become requests."""
     for name, what in _REFUSED.items():
         if kwargs.pop(name, None) is not None:
-            raise NotImplementedError(f"{what} is not supported by the paged engine's generate")
+            raise NotImplementedError(f"{what} is not supported by the paged engine's generate; {RUN_ANYWAY}")
     if kwargs.pop("synced_gpus", None):
         raise NotImplementedError("synced_gpus is not supported by the paged engine's generate")
     has_default_max_length = kwargs.get("max_length") is None and (
@@ -57,8 +58,13 @@ def paged_generate(
         if model_kwargs.pop(name, None) is not None:
             raise NotImplementedError(f"{name}= is not supported: the paged engine builds its own cache")
     if model_kwargs:
-        raise NotImplementedError(f"model inputs {sorted(model_kwargs)} are not supported by the paged engine")
+        raise NotImplementedError(
+            f"model inputs {sorted(model_kwargs)} are not supported by the paged engine; {RUN_ANYWAY}"
+        )
     num_sequences = int(config.num_return_sequences or 1)
+    num_beams = int(config.num_beams or 1)
+    if streamer is not None and num_beams > 1:
+        raise ValueError("streamer= cannot be used with beam search, as in transformers' generate: set num_beams=1")
     if streamer is not None and input_ids.shape[0] * num_sequences != 1:
         raise ValueError(
             "streamer= works with one sequence only, as in transformers' generate: got a batch of "
@@ -80,18 +86,19 @@ def paged_generate(
             f"max_length={config.max_length} leaves no room after the {input_ids.shape[1]}-token input; "
             "set max_new_tokens"
         )
-    prompts = _unpad(input_ids, attention_mask)
+    prompts, paddings = _unpad(input_ids, attention_mask)
     paged_config = paged_config or getattr(model, "paged_config", None) or PagedConfig()
     paged_config = paged_config.for_model(model)  # the engine's kernel and block size
     groups = LayerKinds.from_config(model.config, paged_config.hybrid_kv).groups
     size, budget = paged_config.block_size, paged_config.max_batch_tokens
-    exact_fit = sum(blocks_at_peak(len(p) + max_new_tokens, size, groups, budget) for p in prompts) * num_sequences
+    per_prompt = max(num_sequences, num_beams)  # beams: the worst case, every beam recomputed alone after a preemption
+    exact_fit = sum(blocks_at_peak(len(p) + max_new_tokens, size, groups, budget) for p in prompts) * per_prompt
     engine = ContinuousBatchingEngine(
         model, paged_config, config, num_blocks=paged_config.num_blocks or exact_fit
     )
     common = dict(max_new_tokens=max_new_tokens, generation_config=config, logits_processor=logits_processor,
                   stopping_criteria=stopping_criteria, tokenizer=tokenizer)  # fmt: skip
-    ids = engine.add_all([dict(input_ids=p, **common) for p in prompts])
+    ids = engine.add_all([dict(input_ids=p, padding=pad, **common) for p, pad in zip(prompts, paddings)])
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
@@ -107,19 +114,28 @@ def paged_generate(
     return _pack(model, config, input_ids.repeat_interleave(num_sequences, dim=0), ordered)
 
 
-def _unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[list[int]]:
-    """Each row's real tokens (left or right padding removed by the attention mask)."""
+def _unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[list[list[int]], list[list[int]]]:
+    """Each row's real tokens (left or right padding removed by the attention mask), and the left
+    padding before them: generate's processors see it (min_length, forced EOS, n-grams count it)."""
     if attention_mask is None:
-        return input_ids.tolist()
+        return input_ids.tolist(), [[] for _ in range(input_ids.shape[0])]
     if attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids {tuple(input_ids.shape)}")
-    return [row[mask.bool()].tolist() for row, mask in zip(input_ids.cpu(), attention_mask.cpu())]
+    prompts, paddings = [], []
+    for row, mask in zip(input_ids.cpu().tolist(), attention_mask.cpu().bool().tolist()):
+        prompts.append([t for t, m in zip(row, mask) if m])
+        first = mask.index(True) if True in mask else len(mask)
+        left_padded = all(mask[first:])  # right or inner padding: no prefix reproduces what generate saw
+        paddings.append(row[:first] if left_padded else [])
+    return prompts, paddings
 
 
 def _pack(
     model: torch.nn.Module, config: GenerationConfig, input_ids: torch.Tensor, outputs: list[RequestOutput]
 ) -> torch.Tensor | GenerateDecoderOnlyOutput:
     """Lay results out as generate does: [batch, input_len + longest output], pad after EOS."""
+    if (config.num_beams or 1) > 1:
+        return _pack_beams(config, input_ids, outputs)
     pad = config._pad_token_tensor
     pad_id = int(pad) if pad is not None else 0
     width = max(len(o.output_ids) for o in outputs)
@@ -145,3 +161,42 @@ def _per_step(outputs: list[RequestOutput], field: str, width: int) -> tuple[tor
         rows = [getattr(o, field)[t] if t < len(getattr(o, field) or []) else torch.zeros_like(first) for o in outputs]
         steps.append(torch.stack(rows))
     return tuple(steps)
+
+
+def _pack_beams(
+    config: GenerationConfig, input_ids: torch.Tensor, outputs: list[RequestOutput]
+) -> torch.Tensor | GenerateBeamDecoderOnlyOutput:
+    """Beam search's layout: hypotheses filled with pad (or, where pad is 0 or unset, the first EOS)
+    as transformers fills them; ``beam_indices`` count beams across the batch (row b's beams are
+    ``b * num_beams + k``), -1 past each hypothesis' end."""
+    pad, eos = config._pad_token_tensor, config._eos_token_tensor
+    fill = (int(pad) if pad is not None and int(pad) else int(eos.flatten()[0])) if eos is not None else -1
+    width = max(len(o.output_ids) for o in outputs)
+    new = torch.full((len(outputs), width), fill, dtype=input_ids.dtype)
+    indices = torch.full((len(outputs), width), -1, dtype=torch.int64)
+    per_prompt = int(config.num_return_sequences or 1)
+    for row, out in enumerate(outputs):
+        new[row, : len(out.output_ids)] = torch.tensor(out.output_ids, dtype=input_ids.dtype)
+        offset = (row // per_prompt) * config.num_beams
+        indices[row, : len(out.beam_indices)] = torch.tensor(out.beam_indices, dtype=torch.int64) + offset
+    sequences = torch.cat([input_ids.cpu(), new], dim=1).to(input_ids.device)
+    if not config.return_dict_in_generate:
+        return sequences
+    heads = outputs[::per_prompt]  # a search's per-step scores ride on its first sequence
+    return GenerateBeamDecoderOnlyOutput(
+        sequences=sequences,
+        sequences_scores=torch.tensor([o.score for o in outputs]) if config.output_scores else None,
+        scores=_per_beam_step(heads, "scores") if config.output_scores else None,
+        logits=_per_beam_step(heads, "logits") if config.output_logits else None,
+        beam_indices=indices.to(input_ids.device),
+    )
+
+
+def _per_beam_step(heads: list[RequestOutput], field: str) -> tuple[torch.Tensor, ...]:
+    """One [batch * num_beams, vocab] tensor per step; a search that ended before the longest one
+    holds zeros there (transformers keeps computing every search until all have ended)."""
+    steps = [getattr(o, field) or [] for o in heads]
+    first = next(s[0] for s in steps if s)
+    return tuple(
+        torch.cat([s[t] if t < len(s) else torch.zeros_like(first) for s in steps]) for t in range(max(map(len, steps)))
+    )

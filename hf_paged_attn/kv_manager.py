@@ -64,10 +64,14 @@ class KVBlockManager:
         return request.block_tables
 
     # ------------------------------------------------------------------ capacity
-    def can_ever_fit(self, request: Request) -> bool:
-        # The last sampled token is never fed back, so it needs no slot.
-        need = blocks_at_peak(request.max_total_tokens - 1, self.block_size, self.groups, self.max_batch_tokens)
-        return need <= self.allocator.num_blocks
+    def blocks_needed(self, request: Request, copies: int = 1) -> int:
+        """Blocks ``copies`` sequences as long as ``request`` hold at most at once. The last sampled
+        token is never fed back, so it needs no slot."""
+        one = blocks_at_peak(request.max_total_tokens - 1, self.block_size, self.groups, self.max_batch_tokens)
+        return copies * one
+
+    def can_ever_fit(self, request: Request, copies: int = 1) -> bool:
+        return self.blocks_needed(request, copies) <= self.allocator.num_blocks
 
     # ------------------------------------------------------------------ admission
     def admit(self, request: Request, budget: int) -> bool:

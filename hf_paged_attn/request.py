@@ -42,6 +42,8 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # per new token, when the request asked for them
     parent_id: str | None = None  # num_return_sequences: the request this sequence was forked from
     index: int = 0  # its place among the parent's sequences (the parent is 0)
+    score: float | None = None  # beam search: the hypothesis' length-penalized score (sequences_scores)
+    beam_indices: list[int] | None = None  # beam search: the beam each generated token came from
 
 
 @dataclass(slots=True, eq=False)
@@ -75,6 +77,9 @@ class Request:
     scores: list[Any] | None = None
     logits: list[Any] | None = None
     logprobs: list[TokenLogprob] | None = None
+    group: Any = None  # beam.BeamGroup of a beam-search request and of its beams (preempted together)
+    score: float | None = None
+    beam_indices: list[int] | None = None
 
     @property
     def block_tables(self) -> list[list[int]]:
@@ -133,6 +138,8 @@ class Request:
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
             parent_id=self.parent_id,
             index=self.index,
+            score=self.score,
+            beam_indices=self.beam_indices,
         )
         self.new_ids = []
         return out

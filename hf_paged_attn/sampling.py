@@ -10,7 +10,7 @@ records it only once the whole step's sampling has succeeded.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
@@ -20,7 +20,16 @@ from transformers.generation.stopping_criteria import MaxTimeCriteria, StopStrin
 from .placement import input_device
 from .request import Request, TokenLogprob
 
-SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
+SUPPORTED_MODES = (
+    GenerationMode.GREEDY_SEARCH,
+    GenerationMode.SAMPLE,
+    GenerationMode.BEAM_SEARCH,
+    GenerationMode.BEAM_SAMPLE,
+)
+RUN_ANYWAY = (
+    "to run it anyway, switch to transformers' own attention for that call: "
+    'model.set_attn_implementation("sdpa"), generate, then model.set_attn_implementation("paged")'
+)
 
 # Options generate() knows that this engine cannot honour: refused by name, never silently ignored.
 UNSUPPORTED_OPTIONS = {
@@ -33,6 +42,12 @@ UNSUPPORTED_OPTIONS = {
     "assistant_early_exit": None,
     "encoder_repetition_penalty": (None, 1, 1.0),
     "encoder_no_repeat_ngram_size": (None, 0),
+    "diversity_penalty": (None, 0, 0.0),
+    "token_healing": (None, False),
+    "low_memory": (None, False),
+    "output_attentions": (None, False),
+    "output_hidden_states": (None, False),
+    "use_mtp": (None, False),
 }
 
 
@@ -47,6 +62,7 @@ class SamplingParams:
     num_logprobs: int | None = None  # record log-probs with this many alternatives
     output_scores: bool = False
     output_logits: bool = False
+    prefix: list[int] = field(default_factory=list)  # generate's left padding: what processors see first
 
     @property
     def needs_row_work(self) -> bool:
@@ -75,13 +91,15 @@ def check_supported(config: GenerationConfig) -> None:
     if mode not in SUPPORTED_MODES:
         raise NotImplementedError(
             f"generation mode {mode.value!r} (num_beams={config.num_beams}, do_sample={config.do_sample}) is not "
-            "supported by the paged engine: only greedy search and sampling are"
+            f"supported by the paged engine: greedy search, sampling, beam search and beam sampling are; {RUN_ANYWAY}"
         )
     for name, neutral in UNSUPPORTED_OPTIONS.items():
         value = getattr(config, name, None)
         allowed = neutral if isinstance(neutral, tuple) else (neutral,)
         if value not in allowed:
-            raise NotImplementedError(f"generation option {name}={value!r} is not supported by the paged engine")
+            raise NotImplementedError(
+                f"generation option {name}={value!r} is not supported by the paged engine; {RUN_ANYWAY}"
+            )
 
 
 def make_sampling_params(
@@ -94,10 +112,21 @@ def make_sampling_params(
     tokenizer: object | None = None,
     seed: int | None = None,
     logprobs: int | None = None,
+    max_new_tokens: int | None = None,
+    prefix: list[int] | None = None,
 ) -> SamplingParams:
-    """Resolve ``config`` as ``generate`` does and build its processors and criteria for one request."""
+    """Resolve ``config`` as ``generate`` does and build its processors and criteria for one request.
+
+    ``prefix``: the left padding ``generate``'s batch put before this prompt; processors and
+    criteria see it, as they see the padded row in transformers (``min_length``, ``max_length``,
+    ``forced_eos_token_id``, n-gram and repetition processors count it).
+    """
     config = copy.deepcopy(config)
     check_supported(config)
+    prefix = list(prefix or [])
+    prompt_length += len(prefix)
+    if max_new_tokens is not None:  # the length limit processors such as forced_eos_token_id see
+        config.max_length = prompt_length + max_new_tokens
     if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
         raise ValueError(f"logprobs must be None or an int >= 0, got {logprobs!r}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
@@ -109,7 +138,7 @@ def make_sampling_params(
         input_ids_seq_length=prompt_length,
         logits_processor=extra_processors or LogitsProcessorList(),
         device=device,
-        model_kwargs={},
+        model_kwargs={"attention_mask": padding_mask(len(prefix), prompt_length, config)} if prefix else {},
     )
     eos = config._eos_token_tensor
     eos_ids = frozenset(eos.flatten().tolist()) if eos is not None else frozenset()
@@ -124,7 +153,15 @@ def make_sampling_params(
         num_logprobs=logprobs,
         output_scores=bool(config.return_dict_in_generate and config.output_scores),
         output_logits=bool(config.return_dict_in_generate and config.output_logits),
+        prefix=prefix,
     )
+
+
+def padding_mask(num_padding: int, length: int, config: GenerationConfig) -> torch.Tensor:
+    """The attention mask the repetition penalty reads to skip generate's padding: one row per
+    sequence the processors see at once (a beam group's beams, else one). [rows, length]"""
+    rows = config.num_beams if (config.num_beams or 1) > 1 else 1
+    return torch.tensor([[0] * num_padding + [1] * (length - num_padding)] * rows)
 
 
 def make_stopping_criteria(
@@ -152,8 +189,24 @@ def should_stop(request: Request, scores: torch.Tensor | None) -> bool:
     stopping = request.sampling.stopping
     if not stopping:
         return False
-    history = torch.tensor([request.all_ids])  # [1, seq]
+    history = torch.tensor([request.sampling.prefix + request.all_ids])  # [1, seq]
     return bool(stopping(history, scores).any())
+
+
+def sample_rows(logits: torch.Tensor, requests: list[Request], generator: torch.Generator) -> list[Sample | Exception]:
+    """``sample_tokens``, where a request whose sampling raises (e.g. a custom logits processor) gets
+    the exception instead: the step then samples row by row so that the others go on."""
+    try:
+        return sample_tokens(logits, requests, generator)
+    except Exception:
+        return [sample_one(logits[row : row + 1], r, generator) for row, r in enumerate(requests)]
+
+
+def sample_one(logits: torch.Tensor, request: Request, generator: torch.Generator) -> Sample | Exception:
+    try:
+        return sample_tokens(logits, [request], generator)[0]
+    except Exception as exc:
+        return exc
 
 
 def sample_tokens(logits: torch.Tensor, requests: list[Request], generator: torch.Generator | None) -> list[Sample]:
@@ -167,7 +220,7 @@ def sample_tokens(logits: torch.Tensor, requests: list[Request], generator: torc
             continue
         raw = logits[row : row + 1]  # [1, vocab]
         if params.processors:
-            history = torch.tensor([request.all_ids], device=logits.device)  # [1, seq]
+            history = torch.tensor([params.prefix + request.all_ids], device=logits.device)  # [1, seq]
             scores = params.processors(history, raw.clone())
         else:
             scores = raw
@@ -197,3 +250,15 @@ def token_logprob(scores: torch.Tensor, token: int, k: int | None) -> TokenLogpr
         values, ids = logprobs.topk(min(k, logprobs.numel()))
         top = list(zip(ids.tolist(), values.tolist()))
     return TokenLogprob(token, float(logprobs[token]), top)
+
+
+def resolve_max_new_tokens(config: GenerationConfig, prompt_length: int, value: int | None) -> int:
+    """``value``, else the config's ``max_new_tokens``, else what its ``max_length`` leaves (20 as
+    transformers' default); ValueError unless it is a positive int."""
+    if value is None:
+        value = config.max_new_tokens
+        if value is None:
+            value = max(config.max_length - prompt_length, 0) if config.max_length else 20
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"max_new_tokens must be a positive int, got {value!r}")
+    return value

@@ -6,7 +6,7 @@ running requests that decode (one token each), running requests part-way through
 prefill, then waiting requests in the policy's order (``policy.py``). When blocks run out, the
 running request the policy ranks last is preempted by recompute: its blocks are freed and it waits
 again, to be prefilled later from its prompt plus the tokens it already generated (identical
-results).
+results). A beam search's beams are preempted together, all or none: a victim's whole group goes.
 """
 
 from __future__ import annotations
@@ -53,7 +53,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def can_ever_fit(self, request: Request) -> bool:
-        return self.kv.can_ever_fit(request)
+        # A preempted beam group is recomputed beam by beam (sharing only prefix-cache hits): every
+        # beam's whole sequence must fit at once, or the group could wait forever for its last beams.
+        return self.kv.can_ever_fit(request, copies=request.group.num_beams if request.group is not None else 1)
 
     def add(self, request: Request) -> None:
         assert self.can_ever_fit(request), "engine must refuse requests that can never fit"
@@ -81,8 +83,8 @@ class Scheduler:
         for request in sorted(self.running, key=lambda r: r.num_pending_tokens > 1):
             if budget == 0:
                 break
-            if request.status is not Status.RUNNING:  # preempted earlier in this loop
-                continue
+            if request.status is not Status.RUNNING or not request.num_pending_tokens:
+                continue  # preempted earlier in this loop, or a beam waiting for its group's other beams
             num_new = min(request.num_pending_tokens, budget)
             while not self.kv.reserve(request, num_new):
                 victim = self._pick_victim(exclude=scheduled | {id(request)})
@@ -110,13 +112,26 @@ class Scheduler:
         return out
 
     def _pick_victim(self, exclude: set[int]) -> Request | None:
-        candidates = [r for r in self.running if id(r) not in exclude]
+        """The policy's victim among running requests none of whose group is in ``exclude``."""
+        candidates = [r for r in self.running if not any(id(m) in exclude for m in _group_of(r))]
         return self.policy.victim(candidates) if candidates else None
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
-        self.running.remove(request)
-        self.kv.release(request)
-        request.num_preemptions += 1
+        """Preempt ``request`` with its whole beam group (members scheduled this step are unscheduled)."""
+        group = _group_of(request)
+        out.scheduled = [s for s in out.scheduled if s.request not in group]
+        for member in group:
+            if member in self.running:
+                self.running.remove(member)
+            if member.status is Status.WAITING:
+                continue
+            self.kv.release(member)
+            member.num_preemptions += 1
+            self.add(member)
+            out.preempted.append(member)
         self.num_preemptions += 1
-        self.add(request)
-        out.preempted.append(request)
+
+
+def _group_of(request: Request) -> list[Request]:
+    """The requests preempted together with ``request``: its beam group's live beams, or itself."""
+    return list(request.group.beams) if request.group is not None else [request]

@@ -169,7 +169,8 @@ def test_requests_added_from_threads_while_streaming(llama_pair):
         (torch.tensor([[1, 2], [3, 4]]), {}, "1-D"),
         (torch.tensor([True, False]), {}, "dtype"),
         ([1, 2], {"request_id": "taken"}, "already in use"),
-        ([1, 2], {"generation_config": GenerationConfig(num_beams=2)}, "beam_search"),
+        ([1, 2], {"generation_config": GenerationConfig(num_beams=4, num_beam_groups=2)}, "group_beam_search"),
+        ([1, 2], {"max_new_tokens": 40, "generation_config": GenerationConfig(num_beams=4)}, "44 blocks"),
         ([1, 2], {"generation_config": GenerationConfig(stop_strings=["x"])}, "needs the tokenizer"),
         ([1, 2], {"logprobs": -1}, "logprobs"),
         ([1, 2], {"priority": 1.5}, "priority"),
@@ -180,7 +181,7 @@ def test_bad_input_raises_and_engine_keeps_serving(llama_pair, prompt, kwargs, m
     ref, paged = llama_pair
     engine = ContinuousBatchingEngine(paged, PagedConfig(block_size=4, num_blocks=32))
     good = engine.add_request([3, 4, 5], max_new_tokens=5, request_id="taken")
-    error = NotImplementedError if "num_beams" in str(kwargs) else ValueError
+    error = NotImplementedError if "num_beam_groups" in str(kwargs) else ValueError
     with pytest.raises(error, match=message):
         engine.add_request(prompt, **kwargs)
     outs = [o for o in engine.stream() if o.finished]

@@ -156,7 +156,7 @@ def test_return_dict_with_scores(llama_pair, batch):
 @pytest.mark.parametrize(
     "kwargs, name",
     [
-        (dict(num_beams=2), "beam_search"),
+        (dict(num_beams=4, num_beam_groups=2, diversity_penalty=0.5), "group_beam_search"),
         (dict(penalty_alpha=0.6, top_k=4), "contrastive_search"),
         (dict(dola_layers="low"), "dola"),
     ],

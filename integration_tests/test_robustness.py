@@ -126,8 +126,7 @@ def test_stop_strings_without_a_tokenizer_queue_nothing(llama_pair):
 @pytest.mark.parametrize(
     "options, name",
     [
-        (dict(num_beams=2), "beam_search"),
-        (dict(num_beams=2, do_sample=True), "beam_sample"),
+        (dict(num_beams=4, num_beam_groups=2, diversity_penalty=0.5), "group_beam_search"),
         (dict(penalty_alpha=0.6, top_k=4), "contrastive_search"),
         (dict(dola_layers="high"), "dola"),
         (dict(prompt_lookup_num_tokens=3), "assisted"),
