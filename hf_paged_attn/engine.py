@@ -18,7 +18,7 @@ from .kernels import load_backend
 from .kv_manager import KVBlockManager
 from .layers import LayerKinds
 from .model_checks import check_model_supported
-from .placement import blocks_from_memory, input_device
+from .placement import blocks_from_memory, engine_class, input_device
 from .policy import POLICIES
 from .request import Request, RequestOutput, validate_prompt
 from .sampling import Sample, make_sampling_params, sample_tokens, should_stop
@@ -33,6 +33,9 @@ class ContinuousBatchingEngine(BatchAPI):
     ``add_request`` and ``abort`` may be called from any thread; the loop (``step``, ``stream``,
     ``generate``) runs in one thread at a time.
     """
+
+    def __new__(cls, model: torch.nn.Module, *args: object, **kwargs: object) -> ContinuousBatchingEngine:
+        return super().__new__(engine_class(model, cls))  # a model sharded over ranks: TensorParallelEngine
 
     def __init__(
         self,

@@ -10,6 +10,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .blocks import blocks_for
 from .config import PagedConfig
+from .distributed import is_driver, on_driver
 from .engine import ContinuousBatchingEngine
 from .placement import input_device
 from .request import RequestOutput
@@ -83,14 +84,8 @@ def paged_generate(
     paged_config = paged_config or getattr(model, "paged_config", None) or PagedConfig()
     paged_config = paged_config.for_model(model)  # the engine's kernel and block size
     exact_fit = sum(blocks_for(len(p) + max_new_tokens, paged_config.block_size) for p in prompts) * num_sequences
-    engine = ContinuousBatchingEngine(
-        model, paged_config, config, num_blocks=paged_config.num_blocks or exact_fit
-    )
     common = dict(max_new_tokens=max_new_tokens, generation_config=config, logits_processor=logits_processor,
                   stopping_criteria=stopping_criteria, tokenizer=tokenizer)  # fmt: skip
-    ids = engine.add_all([dict(input_ids=p, **common) for p in prompts])
-    if streamer is not None:
-        streamer.put(input_ids.cpu())
 
     def on_output(out: RequestOutput) -> None:
         if out.finish_reason == "error":
@@ -98,8 +93,19 @@ def paged_generate(
         if streamer is not None and out.new_ids:
             streamer.put(torch.tensor(out.new_ids))
 
-    ordered = engine.collect(ids, on_output=on_output)
+    def run() -> list[RequestOutput]:
+        engine = ContinuousBatchingEngine(model, paged_config, config, num_blocks=paged_config.num_blocks or exact_fit)
+        ids = engine.add_all([dict(input_ids=p, **common) for p in prompts])
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        return engine.collect(ids, on_output=on_output)
+
+    # Tensor-parallel model: rank 0 runs the engine, the other ranks its forwards; all get the outputs.
+    ordered = on_driver(model, run)
     if streamer is not None:
+        if not is_driver(model):  # the other ranks' streamers get the prompt and the output at the end
+            streamer.put(input_ids.cpu())
+            streamer.put(torch.tensor(ordered[0].output_ids))
         streamer.end()
     return _pack(model, config, input_ids.repeat_interleave(num_sequences, dim=0), ordered)
 

@@ -120,3 +120,11 @@ def kernel_device(model: torch.nn.Module) -> torch.device:
     is the one that runs on every device."""
     devices = sorted(set(layer_devices(model)), key=str)
     return devices[0] if len({d.type for d in devices}) == 1 else torch.device("cpu")
+
+
+def engine_class(model: torch.nn.Module, cls: type) -> type:
+    """The class ``ContinuousBatchingEngine(model)`` builds: ``distributed.TensorParallelEngine`` when
+    transformers sharded ``model`` over several ranks (``tp_plan``), else ``cls``."""
+    from .distributed import engine_class  # it imports the engine, which imports this module
+
+    return engine_class(model, cls)
