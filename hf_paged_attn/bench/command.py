@@ -4,6 +4,7 @@
     python -m hf_paged_attn.bench --workload uniform       # 64 requests (several minutes on 2 cores)
     python -m hf_paged_attn.bench --workload shared-prefix
     python -m hf_paged_attn.bench --workload scale [--with-baselines]
+    python -m hf_paged_attn.bench --serve [--model random]  # HTTP: our server vs transformers serve
 
 Writes OUT/<workload>.json and OUT/<workload>_throughput.png. OUT is --out, by default a folder in the
 user's cache ($XDG_CACHE_HOME/hf_paged_attn/bench, else ~/.cache/hf_paged_attn/bench), never the
@@ -54,6 +55,7 @@ def parse_args(argv: list[str] | None = None, prog: str = PROG) -> argparse.Name
     parser.add_argument("--requests", type=int, help="override the number of requests (quick runs)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--serve", action="store_true", help="benchmark the HTTP servers instead (--serve --help)")
     return parser.parse_args(argv)
 
 
@@ -94,4 +96,10 @@ def run(argv: list[str] | None = None, prog: str = PROG) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--serve" in argv:  # its own options: see hf_paged_attn.bench.serve
+        from .serve import main as serve_main
+
+        argv.remove("--serve")
+        return serve_main(argv, prog=f"{prog} --serve")
     run(argv, prog)
