@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import pickle
+import signal
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -335,6 +336,15 @@ def run_worker(model: torch.nn.Module) -> WorkerReport | None:
         layer.keys.nbytes + layer.values.nbytes for layer in engine.cache.layers if layer.is_initialized
     )
     return report
+
+
+def serve_worker(model: torch.nn.Module) -> WorkerReport | None:
+    """``hf-paged-attn serve --tp-plan auto`` on a rank other than 0: rank 0's steps until its server
+    stops. SIGTERM and SIGINT, which torchrun (or a terminal) sends every rank, are ignored here:
+    rank 0 drains its requests first, and its engine's shutdown then ends this loop."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    return run_worker(model)
 
 
 # ----------------------------------------------------------------------------- every rank

@@ -2,19 +2,25 @@
 K/V head (fewer than ranks, so the K/V projection is replicated) and a tiny Mixtral (MoE).
 
 One launch runs every scenario (``tp_ranks.py``; each launch pays the torch import and the model
-loads); the tests read what each rank wrote. The launch is bounded: on timeout the whole process
-group is killed and the tests fail instead of hanging.
+loads); the tests read what each rank wrote. The server runs in a second launch, driven by the
+``openai`` client. Every wait is bounded: on timeout torchrun and its ranks are killed and the
+test fails instead of hanging.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+import queue
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -39,29 +45,63 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun(*args: str) -> list[str]:
+    port = str(free_port())
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+            "--master-port", port, *args]  # fmt: skip
+
+
+ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    "HF_HUB_OFFLINE": "1",
+    "OMP_NUM_THREADS": "1",
+    "OMP_WAIT_POLICY": "PASSIVE",
+    "GLOO_SOCKET_IFNAME": "lo",
+}
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (torchrun starts each rank in a session of its own, so killing
+    torchrun's process group would leave the ranks running)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            children.setdefault(int(stat.read_text().rsplit(")", 1)[1].split()[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    for pid in [*descendants(proc.pid), proc.pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def rank_pid(proc: subprocess.Popen, rank: int) -> int:
+    for pid in descendants(proc.pid):
+        with contextlib.suppress(OSError):
+            if f"RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                return pid
+    raise AssertionError(f"no process of rank {rank} under torchrun")
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """(model dirs, [rank 0's results, rank 1's results])."""
     tmp = tmp_path_factory.mktemp("tp")
     dirs = {name: save_random_model(make(), tmp / name) for name, make in MODELS.items()}
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-        "HF_HUB_OFFLINE": "1",
-        "OMP_NUM_THREADS": "1",
-        "GLOO_SOCKET_IFNAME": "lo",
-    }
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        str(ROOT / "integration_tests" / "tp_ranks.py"), str(tmp), *(f"{n}={d}" for n, d in dirs.items()),
-    ]  # fmt: skip
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
+    script = ROOT / "integration_tests" / "tp_ranks.py"
+    command = torchrun(str(script), str(tmp), *(f"{name}={path}" for name, path in dirs.items()))
+    proc = subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         out, _ = proc.communicate(timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks: they share its session
+        kill_tree(proc)
         out, _ = proc.communicate()
         pytest.fail(f"torchrun did not finish in {TIMEOUT}s:\n{out[-4000:]}")
     assert proc.returncode == 0, out[-4000:]
@@ -146,3 +186,47 @@ def test_each_rank_holds_its_share_of_the_kv_heads(run, name, share):
     heads_dim = config.num_key_value_heads * head_dim
     one_process = 2 * config.num_hidden_layers * r0["num_blocks"] * 8 * heads_dim * 4  # K and V, fp32, block 8
     assert r0["kv_bytes"] == r1["worker"]["kv_bytes"] == one_process * share
+
+
+def test_the_server_under_torchrun_answers_the_openai_client_and_both_ranks_exit_cleanly():
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    from transformers import AutoTokenizer
+
+    from hf_paged_attn.demo import DEMO_MODEL
+
+    command = torchrun("-m", "hf_paged_attn.cli", "serve", str(DEMO_MODEL), "--port", "0", "--tp-plan", "auto",
+                       "--served-model-name", "demo", "--max-num-seqs", "8")  # fmt: skip
+    proc = subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue[str | None] = queue.Queue()
+    log: list[str] = []
+
+    def read() -> None:
+        for line in proc.stdout:
+            log.append(line)
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        deadline, url = time.monotonic() + TIMEOUT, None
+        while url is None:
+            line = lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+            assert line is not None, "".join(log[-30:])
+            if match := re.search(r"ready: (http://\S+)", line):
+                url = match.group(1)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL)
+        prompts = ["Once upon a time", "The capital of France is"]
+        texts = [client.completions.create(model="demo", prompt=p, max_tokens=10, temperature=0).choices[0].text
+                 for p in prompts]  # fmt: skip
+        ref = reference(str(DEMO_MODEL))
+        ids = [tokenizer(p)["input_ids"] for p in prompts]
+        expected = [tokenizer.decode(greedy(ref, [row], new_tokens=10)[0], skip_special_tokens=True) for row in ids]
+        assert texts == expected
+        # SIGTERM to rank 0 alone: it drains, its engine's shutdown ends rank 1's loop, both exit 0
+        os.kill(rank_pid(proc, 0), signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, "".join(log[-30:])
+        assert any("hf_paged_attn.serve: stopped" in line for line in log)
+    finally:
+        kill_tree(proc)
