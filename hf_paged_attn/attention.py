@@ -51,6 +51,7 @@ def paged_attention_forward(
     if isinstance(attention_mask, PagedWindow):
         sliding_window, attention_mask = sliding_window or attention_mask.size, None
     layer = check_attention_call(module, key, value, attention_mask, meta)
+    meta = meta.for_group(layer.group)  # the block tables of this layer's attention group
     layer.window = sliding_window  # what this layer really sees: lets the engine free older blocks
     value_dim = value.shape[-1]
     if query.shape[-1] != layer.width or value_dim != layer.width:  # K and V head dims differ (latent attention)

@@ -34,6 +34,9 @@ class PagedConfig:
             for more than a handful of requests.
         seed: seed of the sampling generator; ``None`` draws it from torch's global RNG, so
             ``torch.manual_seed`` makes sampled output reproducible as with ``generate``.
+        hybrid_kv: models that mix sliding-window and full-attention layers (Gemma 2/3, Cohere 2,
+            GPT-OSS, ...) give each attention group its own block tables, so sliding layers hold only
+            their window's blocks (``layers.py``); False keeps one table for every layer.
         scheduling_policy: ``"fcfs"`` (first come, first served) or ``"priority"`` (lower
             ``add_request(..., priority=)`` first, ties by arrival; the lowest priority is preempted
             first). See ``policy.py``.
@@ -49,6 +52,7 @@ class PagedConfig:
     progress_bar: bool | None = None
     seed: int | None = None
     scheduling_policy: str = "fcfs"
+    hybrid_kv: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_batch_tokens"):
@@ -56,6 +60,8 @@ class PagedConfig:
         for name in ("block_size", "num_blocks"):
             if getattr(self, name) is not None:
                 _require_positive_int(name, getattr(self, name))
+        if not isinstance(self.hybrid_kv, bool):
+            raise ValueError(f"PagedConfig.hybrid_kv must be a bool, got {self.hybrid_kv!r}")
         if self.scheduling_policy not in POLICIES:
             raise ValueError(
                 f"PagedConfig.scheduling_policy must be one of {tuple(POLICIES)}, got {self.scheduling_policy!r}"

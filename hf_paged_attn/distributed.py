@@ -29,17 +29,17 @@ import torch
 import torch.distributed as dist
 
 from . import cache as cache_module
-from .blocks import blocks_for
+from . import placement
 from .config import PagedConfig
 from .engine import ContinuousBatchingEngine
-from .placement import blocks_from_memory
+from .layers import LayerKinds
 from .scheduler import SchedulerOutput
 from .step import StepMetadata
 
 T = TypeVar("T")
 # Workers wait on the control group between requests: as long as a server may idle, not gloo's 30 min.
 IDLE_TIMEOUT = timedelta(days=365)
-_LOCAL_FIELDS = {"backend", "last_layer", "copies"}  # StepMetadata fields each rank sets for itself
+_LOCAL_FIELDS = {"backend", "last_layer", "copies", "group_views"}  # StepMetadata fields each rank makes itself
 
 
 # ----------------------------------------------------------------------------- who is what
@@ -201,18 +201,12 @@ def replicate_kv_heads(model: torch.nn.Module) -> None:
 
 
 def fitting_blocks(model: torch.nn.Module, config: PagedConfig) -> int:
-    """What one rank's memory holds, as the engine sizes it alone, but for the K/V heads this rank
-    holds (the config's head count is the whole model's)."""
+    """What this rank's memory holds, as the engine sizes it alone (``placement.fitting_blocks``),
+    but for the K/V heads this rank holds: the config's head count is the whole model's."""
     total, local = kv_heads(model)
-    max_position = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 4096
-    useful = config.max_num_seqs * blocks_for(max_position, config.block_size)
     free = cache_module.free_memory_bytes  # looked up at call time: tests give ranks different memory
-
-    def free_bytes(device: torch.device) -> int:
-        return free(device) * total // local
-
-    fits = blocks_from_memory(model, config.block_size, config.memory_fraction, free_bytes=free_bytes)
-    return max(1, min(fits, useful))
+    layers = LayerKinds.from_config(model.config, share_pages=config.hybrid_kv)  # one device per rank
+    return placement.fitting_blocks(model, config, layers, free_bytes=lambda device: free(device) * total // local)
 
 
 # ----------------------------------------------------------------------------- rank 0
@@ -273,16 +267,26 @@ class TensorParallelEngine(ContinuousBatchingEngine):
 
 
 def pack(meta: StepMetadata) -> dict[str, Any]:
-    """The fields of ``meta`` a worker needs, tensors on the CPU (they pickle device-free)."""
-    return {
-        f.name: value.cpu() if isinstance(value := getattr(meta, f.name), torch.Tensor) else value
-        for f in dataclasses.fields(meta)
-        if f.name not in _LOCAL_FIELDS
-    }
+    """The fields of ``meta`` a worker needs, tensors on the CPU (they pickle device-free); a hybrid
+    model's other attention groups (``other_groups``) travel with them."""
+    cpu = torch.device("cpu")
+    return {f.name: moved(getattr(meta, f.name), cpu) for f in dataclasses.fields(meta) if f.name not in _LOCAL_FIELDS}
 
 
 def unpack(fields: dict[str, Any], device: torch.device) -> StepMetadata:
-    return StepMetadata(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in fields.items()})
+    return StepMetadata(**{name: moved(value, device) for name, value in fields.items()})
+
+
+def moved(value: Any, device: torch.device) -> Any:
+    """``value`` with every tensor in it on ``device``: tensors, lists and tuples of them, dataclasses."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (list, tuple)):
+        return type(value)(moved(v, device) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{f.name: moved(getattr(value, f.name), device)
+                                             for f in dataclasses.fields(value) if f.init})  # fmt: skip
+    return value
 
 
 # ----------------------------------------------------------------------------- other ranks

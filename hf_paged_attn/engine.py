@@ -18,7 +18,7 @@ from .kernels import load_backend
 from .kv_manager import KVBlockManager
 from .layers import LayerKinds
 from .model_checks import check_model_supported
-from .placement import blocks_from_memory, engine_class, input_device
+from .placement import engine_class, fitting_blocks, input_device, layer_devices
 from .policy import POLICIES
 from .request import Request, RequestOutput, validate_prompt
 from .sampling import Sample, make_sampling_params, sample_tokens, should_stop
@@ -57,15 +57,14 @@ class ContinuousBatchingEngine(BatchAPI):
         self.device = input_device(model)  # not model.device: with accelerate's offload that may be "meta"
         self.max_position_embeddings = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         self.backend = load_backend(config.kernel, self.device)
-        self.layers = LayerKinds.from_config(model.config)
-        if not (num_blocks := num_blocks or config.num_blocks):  # what fits, capped at what can be used
-            useful = config.max_num_seqs * blocks_for(self.max_position_embeddings or 4096, config.block_size)
-            num_blocks = max(1, min(blocks_from_memory(model, config.block_size, config.memory_fraction), useful))
+        one_device = len(set(layer_devices(model))) == 1  # groups share page tensors, so one device
+        self.layers = LayerKinds.from_config(model.config, share_pages=config.hybrid_kv and one_device)
+        num_blocks = num_blocks or config.num_blocks or fitting_blocks(model, config, self.layers)
         self.allocator = BlockAllocator(num_blocks, config.enable_prefix_caching)
-        self.kv = KVBlockManager(self.allocator, config.block_size, self.layers)
+        self.kv = KVBlockManager(self.allocator, config.block_size, self.layers, config.max_batch_tokens)
         policy = POLICIES[config.scheduling_policy]
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_batch_tokens, policy)
-        self.cache = PagedAttentionCache(model.config, num_blocks, config.block_size)
+        self.cache = PagedAttentionCache(model.config, num_blocks, config.block_size, self.layers)
         seed = config.seed if config.seed is not None else int(torch.randint(0, 2**62, ()).item())
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.intake = Intake()

@@ -8,10 +8,11 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .blocks import blocks_for
 from .config import PagedConfig
 from .distributed import is_driver, on_driver
 from .engine import ContinuousBatchingEngine
+from .kv_manager import blocks_at_peak
+from .layers import LayerKinds
 from .placement import input_device
 from .request import RequestOutput
 
@@ -83,7 +84,9 @@ def paged_generate(
     prompts = _unpad(input_ids, attention_mask)
     paged_config = paged_config or getattr(model, "paged_config", None) or PagedConfig()
     paged_config = paged_config.for_model(model)  # the engine's kernel and block size
-    exact_fit = sum(blocks_for(len(p) + max_new_tokens, paged_config.block_size) for p in prompts) * num_sequences
+    groups = LayerKinds.from_config(model.config, paged_config.hybrid_kv).groups
+    size, budget = paged_config.block_size, paged_config.max_batch_tokens
+    exact_fit = sum(blocks_at_peak(len(p) + max_new_tokens, size, groups, budget) for p in prompts) * num_sequences
     common = dict(max_new_tokens=max_new_tokens, generation_config=config, logits_processor=logits_processor,
                   stopping_criteria=stopping_criteria, tokenizer=tokenizer)  # fmt: skip
 

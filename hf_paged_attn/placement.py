@@ -13,10 +13,16 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
+from .blocks import blocks_for
 from .cache import bytes_per_block, free_memory_bytes
+
+if TYPE_CHECKING:
+    from .config import PagedConfig
+    from .layers import LayerKinds
 
 
 def hook_device(module: torch.nn.Module) -> torch.device | None:
@@ -99,19 +105,41 @@ def blocks_from_memory(
     memory_fraction: float,
     dtype: torch.dtype | None = None,
     free_bytes: Callable[[torch.device], int] = free_memory_bytes,
+    layers_per_block: int | None = None,
 ) -> int:
     """How many blocks fit everywhere: one block id spans every layer, so each device must hold a
     block's pages for each of its layers. The minimum over devices of
     ``free_bytes(device) * memory_fraction // (bytes per block per layer * layers on device)``.
 
     ``dtype`` is the K/V dtype (default: the model's parameters'; offloaded ``meta`` parameters keep
-    theirs). ``free_bytes`` is injectable for tests; it defaults to ``cache.free_memory_bytes``."""
+    theirs). ``free_bytes`` is injectable for tests; it defaults to ``cache.free_memory_bytes``.
+    ``layers_per_block``: the page tensors one block id spans when fewer than the layers (hybrid
+    models share a pool between attention groups, all on one device)."""
     if dtype is None:
         dtype = next(model.parameters()).dtype
     num_layers = model.config.get_text_config().num_hidden_layers
     per_layer = bytes_per_block(model.config, block_size, dtype) // num_layers
     counts = Counter(layer_devices(model))
+    if layers_per_block is not None:
+        counts = Counter({device: layers_per_block for device in counts})
     return min(int(free_bytes(device) * memory_fraction) // (per_layer * n) for device, n in counts.items())
+
+
+def fitting_blocks(
+    model: torch.nn.Module,
+    config: PagedConfig,
+    layers: LayerKinds,
+    free_bytes: Callable[[torch.device], int] = free_memory_bytes,
+) -> int:
+    """The engine's ``num_blocks`` when none is given: what ``config.memory_fraction`` of the free
+    memory holds (``blocks_from_memory``), capped at what ``config.max_num_seqs`` requests can use."""
+    max_position = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 4096
+    useful = config.max_num_seqs * blocks_for(max_position, config.block_size)
+    slots = layers.num_slots if len(layers.groups) > 1 else None
+    fits = blocks_from_memory(
+        model, config.block_size, config.memory_fraction, free_bytes=free_bytes, layers_per_block=slots
+    )
+    return max(1, min(fits, useful * len(layers.groups)))
 
 
 def kernel_device(model: torch.nn.Module) -> torch.device:

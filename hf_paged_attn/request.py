@@ -61,7 +61,8 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # the block table of attention group 0
+    extra_block_ids: list[list[int]] = field(default_factory=list)  # those of groups 1, 2, ... (hybrid models)
     finish_reason: str | None = None
     error: str | None = None
     num_cached_tokens: int = 0
@@ -74,6 +75,11 @@ class Request:
     scores: list[Any] | None = None
     logits: list[Any] | None = None
     logprobs: list[TokenLogprob] | None = None
+
+    @property
+    def block_tables(self) -> list[list[int]]:
+        """One block table per attention group (the lists themselves, for the KV manager to edit)."""
+        return [self.block_ids, *self.extra_block_ids]
 
     @property
     def all_ids(self) -> list[int]:

@@ -18,6 +18,17 @@ from .layers import LayerKinds
 from .scheduler import ScheduledRequest
 
 
+@dataclass(slots=True)
+class GroupTables:
+    """One attention group's part of a step: what differs between groups of a hybrid model."""
+
+    block_table: torch.Tensor  # [B, max_blocks_per_seq] int32, -1 for unallocated or released
+    slot_mapping: torch.Tensor  # [N] int64
+    gather_slots: torch.Tensor | None  # [K] int64, varlen path only
+    cu_seq_lens_k: torch.Tensor  # [B + 1] int32
+    max_length_k: int
+
+
 @dataclass(slots=True, eq=False)
 class StepMetadata:
     """Everything the attention function and the cache need for one step.
@@ -43,6 +54,21 @@ class StepMetadata:
     last_layer: Any = None
     # This step's metadata per device, shared by every copy (see ``on``)
     copies: dict[torch.device, StepMetadata] = field(default_factory=dict, repr=False)
+    # Attention groups 1, 2, ... of a hybrid model (layers.py): their own tables (see ``for_group``)
+    other_groups: list[GroupTables] = field(default_factory=list, repr=False)
+    group_views: dict[int, StepMetadata] = field(default_factory=dict, repr=False)
+
+    def for_group(self, group: int) -> StepMetadata:
+        """This step as the layers of attention ``group`` see it: their block tables, cache slots
+        and key lengths (group 0's are this object's own); made once per step and group."""
+        if group == 0:
+            return self
+        view = self.group_views.get(group)
+        if view is None:
+            tables = self.other_groups[group - 1]
+            view = dataclasses.replace(self, **_shallow(tables), other_groups=[], group_views={}, copies={})
+            self.group_views[group] = view
+        return view
 
     def on(self, device: torch.device) -> StepMetadata:
         """This metadata with its tensors on ``device``, moved at most once per step and device: the
@@ -58,8 +84,14 @@ class StepMetadata:
                 for f in dataclasses.fields(self)
                 if isinstance(value := getattr(self, f.name), torch.Tensor)
             }
-            copy = self.copies[device] = dataclasses.replace(self, **moved)  # shares ``copies``
+            copy = dataclasses.replace(self, **moved, group_views={})  # shares ``copies``
+            self.copies[device] = copy
         return copy
+
+
+def _shallow(tables: GroupTables) -> dict:
+    """``tables``' fields by name, the tensors themselves (``dataclasses.asdict`` would copy them)."""
+    return {f.name: getattr(tables, f.name) for f in dataclasses.fields(tables)}
 
 
 def cumulative(lengths: list[int], device: torch.device) -> torch.Tensor:
@@ -90,56 +122,72 @@ def build_step(
     sampled: list[bool] | None = None,
 ) -> StepMetadata:
     """Tensors of one step. ``sampled[i]`` says whether request i's last new token is sampled
-    (default: when its chunk reaches the end of its known tokens). With a window shared by every
-    layer (``layers.uniform_window``), the varlen path gets each request's keys from the first one
-    its first query can see (older blocks may already be freed); the causal mask is bottom-right
-    aligned, so dropping invisible leading keys changes nothing."""
-    window = layers.uniform_window if layers is not None else None
+    (default: when its chunk reaches the end of its known tokens). Each attention group gets its
+    own tables (``layers.groups``; one group unless the model mixes sliding and full layers)."""
     q_lens = [s.num_new_tokens for s in scheduled]
     starts = [s.request.num_computed_tokens for s in scheduled]
-    key_starts = [max(start - window + 1, 0) if window else 0 for start in starts]
-    k_lens = [start + n - first for start, n, first in zip(starts, q_lens, key_starts)]
     if sampled is None:
         sampled = [start + n == s.request.num_tokens for s, start, n in zip(scheduled, starts, q_lens)]
-
     token_ids: list[int] = []
     for s, start, n in zip(scheduled, starts, q_lens):
         token_ids.extend(s.request.all_ids[start : start + n])
-
-    max_blocks = max(len(s.request.block_ids) for s in scheduled)
-    table = torch.full((len(scheduled), max_blocks), -1, dtype=torch.int32)
-    for row, s in enumerate(scheduled):
-        table[row, : len(s.request.block_ids)] = torch.tensor(s.request.block_ids, dtype=torch.int32)
 
     q_lens_t = torch.tensor(q_lens)
     rows_q = torch.repeat_interleave(torch.arange(len(scheduled)), q_lens_t)  # [N]
     cu_q = cumulative(q_lens, torch.device("cpu"))
     # position of every new token inside its own request
     positions = torch.arange(len(token_ids)) - cu_q[:-1].long()[rows_q] + torch.tensor(starts)[rows_q]
-    slot_mapping = slots_of(table, rows_q, positions, block_size)
-
     is_decode = max(q_lens) == 1
-    gather_slots = None
-    if not is_decode:
-        k_lens_t = torch.tensor(k_lens)
-        rows_k = torch.repeat_interleave(torch.arange(len(scheduled)), k_lens_t)  # [K]
-        cu_k_cpu = cumulative(k_lens, torch.device("cpu"))
-        key_pos = torch.arange(int(cu_k_cpu[-1])) - cu_k_cpu[:-1].long()[rows_k] + torch.tensor(key_starts)[rows_k]
-        gather_slots = slots_of(table, rows_k, key_pos, block_size).to(device)
-
+    windows = [g.window for g in layers.groups] if layers is not None and layers.groups else [None]
+    groups = [
+        _group_tables(scheduled, g, window, starts, q_lens, rows_q, positions, block_size, device, is_decode)
+        for g, window in enumerate(windows)
+    ]
     logits_indices = (cu_q[1:].long() - 1)[torch.tensor(sampled, dtype=torch.bool)]
-    cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k = varlen_lengths(q_lens, k_lens, device)
     return StepMetadata(
         input_ids=torch.tensor([token_ids], device=device),
         position_ids=positions.unsqueeze(0).to(device),
-        cu_seq_lens_q=cu_seq_lens_q,
-        cu_seq_lens_k=cu_seq_lens_k,
-        max_length_q=max_length_q,
-        max_length_k=max_length_k,
-        slot_mapping=slot_mapping.to(device),
-        gather_slots=gather_slots,
-        block_table=table.to(device),
+        cu_seq_lens_q=cu_q.to(device),
+        max_length_q=max(q_lens),
+        **_shallow(groups[0]),
         cache_seqlens=torch.tensor(starts, dtype=torch.int32, device=device),
         logits_indices=logits_indices.to(device),
         is_decode=is_decode,
+        other_groups=groups[1:],
+    )
+
+
+def _group_tables(
+    scheduled: list[ScheduledRequest],
+    group: int,
+    window: int | None,
+    starts: list[int],
+    q_lens: list[int],
+    rows_q: torch.Tensor,
+    positions: torch.Tensor,
+    block_size: int,
+    device: torch.device,
+    is_decode: bool,
+) -> GroupTables:
+    """One group's tables. A sliding group's varlen keys start at the first one the request's
+    first query can see (older blocks may already be freed); the causal mask is bottom-right
+    aligned, so dropping invisible leading keys changes nothing."""
+    tables = [s.request.block_tables[group] for s in scheduled]
+    table = torch.full((len(scheduled), max(map(len, tables))), -1, dtype=torch.int32)
+    for row, blocks in enumerate(tables):
+        table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+    key_starts = [max(start - window + 1, 0) if window else 0 for start in starts]
+    k_lens = [start + n - first for start, n, first in zip(starts, q_lens, key_starts)]
+    gather_slots = None
+    if not is_decode:
+        rows_k = torch.repeat_interleave(torch.arange(len(scheduled)), torch.tensor(k_lens))  # [K]
+        cu_k_cpu = cumulative(k_lens, torch.device("cpu"))
+        key_pos = torch.arange(int(cu_k_cpu[-1])) - cu_k_cpu[:-1].long()[rows_k] + torch.tensor(key_starts)[rows_k]
+        gather_slots = slots_of(table, rows_k, key_pos, block_size).to(device)
+    return GroupTables(
+        block_table=table.to(device),
+        slot_mapping=slots_of(table, rows_q, positions, block_size).to(device),
+        gather_slots=gather_slots,
+        cu_seq_lens_k=cumulative(k_lens, device),
+        max_length_k=max(k_lens),
     )

@@ -9,6 +9,7 @@ import torch
 
 from hf_paged_attn import ContinuousBatchingEngine
 from hf_paged_attn.distributed import engine_class, is_driver, is_tensor_parallel, kv_heads, on_driver, pack, unpack
+from hf_paged_attn.layers import LayerKinds
 from hf_paged_attn.request import Request
 from hf_paged_attn.scheduler import ScheduledRequest
 from hf_paged_attn.step import build_step
@@ -23,22 +24,39 @@ def request(prompt, computed=0, blocks=()):
     return r
 
 
+def same(sent, received, name: str) -> None:
+    if isinstance(sent, torch.Tensor):
+        assert torch.equal(sent, received) and sent.dtype == received.dtype, name
+    elif isinstance(sent, list):
+        assert len(sent) == len(received), name
+        for i, (a, b) in enumerate(zip(sent, received)):
+            same(a, b, f"{name}[{i}]")
+    elif dataclasses.is_dataclass(sent):
+        assert type(sent) is type(received), name
+        for field in dataclasses.fields(sent):
+            same(getattr(sent, field.name), getattr(received, field.name), f"{name}.{field.name}")
+    else:
+        assert sent == received, name
+
+
 @pytest.mark.parametrize("decode", [False, True])
-def test_a_step_travels_whole(decode):
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_a_step_travels_whole(decode, hybrid):
     a = request([1, 2, 3, 4, 5], computed=4 if decode else 0, blocks=[3, 1])
     b = request([6, 7, 8], computed=2 if decode else 0, blocks=[0])
-    meta = build_step([ScheduledRequest(a, 1 if decode else 5), ScheduledRequest(b, 1 if decode else 3)], 4, CPU)
+    layers = None
+    if hybrid:  # a sliding and a full group, each with its own block tables
+        layers = LayerKinds([4, None], share_pages=True)
+        a.extra_block_ids, b.extra_block_ids = [[5, 6]], [[2]]
+    scheduled = [ScheduledRequest(a, 1 if decode else 5), ScheduledRequest(b, 1 if decode else 3)]
+    meta = build_step(scheduled, 4, CPU, layers)
+    assert len(meta.other_groups) == int(hybrid)
     meta.backend, meta.last_layer = object(), object()  # a rank's own: never sent
     got = unpack(pickle.loads(pickle.dumps(pack(meta))), CPU)
-    assert got.backend is None and got.last_layer is None and got.copies == {}
+    assert got.backend is None and got.last_layer is None and got.copies == {} and got.group_views == {}
     for field in dataclasses.fields(meta):
-        if field.name in ("backend", "last_layer", "copies"):
-            continue
-        sent, received = getattr(meta, field.name), getattr(got, field.name)
-        if isinstance(sent, torch.Tensor):
-            assert torch.equal(sent, received) and sent.dtype == received.dtype, field.name
-        else:
-            assert sent == received, field.name
+        if field.name not in ("backend", "last_layer", "copies", "group_views"):
+            same(getattr(meta, field.name), getattr(got, field.name), field.name)
 
 
 class FakeModel(torch.nn.Module):

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from hf_paged_attn.blocks import BlockAllocator, blocks_for
+from hf_paged_attn.blocks import ROOT_DIGEST, BlockAllocator, blocks_for, chain_digest
 from hf_paged_attn.kv_manager import KVBlockManager
 from hf_paged_attn.policy import POLICIES
 from hf_paged_attn.request import Request, Status
@@ -233,16 +233,18 @@ class Simulation:
             )
             self._check_reads(r)
 
-        # Every cached block holds its key's tokens, after its parent's content while the parent
-        # still holds the content it had when the key was made.
-        for (parent, generation, tokens), block in alloc._cached.items():
+        # Every cached block holds its key's tokens, after exactly the prefix its key's digest names.
+        for (group, digest, tokens), block in alloc._cached.items():
             content = self.pages[block]
+            assert group == 0, "one attention group here"
             assert all(c is not None for c in content), f"cached block {block} is not full"
             assert tuple(c[-1] for c in content) == tokens, f"cached block {block} holds other tokens"
-            if parent == -1:
-                assert len(content[0]) == 1, f"root block {block} does not start a sequence"
-            elif alloc._generation[parent] == generation:
-                assert content[0][:-1] == self.pages[parent][-1], f"cached block {block} follows other content"
+            before = content[0][:-1]  # every token before the block's first
+            assert len(before) % size == 0, f"cached block {block} does not start on a block boundary"
+            want = ROOT_DIGEST
+            for i in range(0, len(before), size):
+                want = chain_digest(want, tuple(before[i : i + size]))
+            assert digest == want, f"cached block {block} follows other content than its key says"
 
 
 class SchedulerMachine(RuleBasedStateMachine):
