@@ -11,7 +11,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 
 from .batch_api import BatchAPI
 from .beam import BeamGroup
-from .blocks import BlockAllocator, blocks_for
+from .blocks import BlockAllocator
 from .cache import PagedAttentionCache
 from .config import PagedConfig
 from .intake import Intake
@@ -19,7 +19,7 @@ from .kernels import load_backend
 from .kv_manager import KVBlockManager
 from .layers import LayerKinds
 from .model_checks import check_model_supported
-from .placement import blocks_from_memory, input_device, layer_devices
+from .placement import engine_class, fitting_blocks, input_device, layer_devices
 from .policy import POLICIES
 from .request import Request, RequestOutput, validate_prompt
 from .sampling import Sample, make_sampling_params, resolve_max_new_tokens, sample_one, sample_rows, should_stop
@@ -34,6 +34,9 @@ class ContinuousBatchingEngine(BatchAPI):
     ``add_request`` and ``abort`` may be called from any thread; the loop (``step``, ``stream``,
     ``generate``) runs in one thread at a time.
     """
+
+    def __new__(cls, model: torch.nn.Module, *args: object, **kwargs: object) -> ContinuousBatchingEngine:
+        return super().__new__(engine_class(model, cls))  # a model sharded over ranks: TensorParallelEngine
 
     def __init__(
         self,
@@ -57,11 +60,7 @@ class ContinuousBatchingEngine(BatchAPI):
         self.backend = load_backend(config.kernel, self.device)
         one_device = len(set(layer_devices(model))) == 1  # groups share page tensors, so one device
         self.layers = LayerKinds.from_config(model.config, share_pages=config.hybrid_kv and one_device)
-        slots = self.layers.num_slots if len(self.layers.groups) > 1 else None
-        if not (num_blocks := num_blocks or config.num_blocks):  # what fits, capped at what can be used
-            useful = config.max_num_seqs * blocks_for(self.max_position_embeddings or 4096, config.block_size)
-            fits = blocks_from_memory(model, config.block_size, config.memory_fraction, layers_per_block=slots)
-            num_blocks = max(1, min(fits, useful * len(self.layers.groups)))
+        num_blocks = num_blocks or config.num_blocks or fitting_blocks(model, config, self.layers)
         self.allocator = BlockAllocator(num_blocks, config.enable_prefix_caching)
         self.kv = KVBlockManager(self.allocator, config.block_size, self.layers, config.max_batch_tokens)
         policy = POLICIES[config.scheduling_policy]

@@ -9,6 +9,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from transformers.generation.utils import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 
 from .config import PagedConfig
+from .distributed import is_driver, on_driver
 from .engine import ContinuousBatchingEngine
 from .kv_manager import blocks_at_peak
 from .layers import LayerKinds
@@ -93,14 +94,8 @@ def paged_generate(
     size, budget = paged_config.block_size, paged_config.max_batch_tokens
     per_prompt = max(num_sequences, num_beams)  # beams: the worst case, every beam recomputed alone after a preemption
     exact_fit = sum(blocks_at_peak(len(p) + max_new_tokens, size, groups, budget) for p in prompts) * per_prompt
-    engine = ContinuousBatchingEngine(
-        model, paged_config, config, num_blocks=paged_config.num_blocks or exact_fit
-    )
     common = dict(max_new_tokens=max_new_tokens, generation_config=config, logits_processor=logits_processor,
                   stopping_criteria=stopping_criteria, tokenizer=tokenizer)  # fmt: skip
-    ids = engine.add_all([dict(input_ids=p, padding=pad, **common) for p, pad in zip(prompts, paddings)])
-    if streamer is not None:
-        streamer.put(input_ids.cpu())
 
     def on_output(out: RequestOutput) -> None:
         if out.finish_reason == "error":
@@ -108,8 +103,19 @@ def paged_generate(
         if streamer is not None and out.new_ids:
             streamer.put(torch.tensor(out.new_ids))
 
-    ordered = engine.collect(ids, on_output=on_output)
+    def run() -> list[RequestOutput]:
+        engine = ContinuousBatchingEngine(model, paged_config, config, num_blocks=paged_config.num_blocks or exact_fit)
+        ids = engine.add_all([dict(input_ids=p, padding=pad, **common) for p, pad in zip(prompts, paddings)])
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        return engine.collect(ids, on_output=on_output)
+
+    # Tensor-parallel model: rank 0 runs the engine, the other ranks its forwards; all get the outputs.
+    ordered = on_driver(model, run)
     if streamer is not None:
+        if not is_driver(model):  # the other ranks' streamers get the prompt and the output at the end
+            streamer.put(input_ids.cpu())
+            streamer.put(torch.tensor(ordered[0].output_ids))
         streamer.end()
     return _pack(model, config, input_ids.repeat_interleave(num_sequences, dim=0), ordered)
 

@@ -13,10 +13,16 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
+from .blocks import blocks_for
 from .cache import bytes_per_block, free_memory_bytes
+
+if TYPE_CHECKING:
+    from .config import PagedConfig
+    from .layers import LayerKinds
 
 
 def hook_device(module: torch.nn.Module) -> torch.device | None:
@@ -119,9 +125,34 @@ def blocks_from_memory(
     return min(int(free_bytes(device) * memory_fraction) // (per_layer * n) for device, n in counts.items())
 
 
+def fitting_blocks(
+    model: torch.nn.Module,
+    config: PagedConfig,
+    layers: LayerKinds,
+    free_bytes: Callable[[torch.device], int] = free_memory_bytes,
+) -> int:
+    """The engine's ``num_blocks`` when none is given: what ``config.memory_fraction`` of the free
+    memory holds (``blocks_from_memory``), capped at what ``config.max_num_seqs`` requests can use."""
+    max_position = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 4096
+    useful = config.max_num_seqs * blocks_for(max_position, config.block_size)
+    slots = layers.num_slots if len(layers.groups) > 1 else None
+    fits = blocks_from_memory(
+        model, config.block_size, config.memory_fraction, free_bytes=free_bytes, layers_per_block=slots
+    )
+    return max(1, min(fits, useful * len(layers.groups)))
+
+
 def kernel_device(model: torch.nn.Module) -> torch.device:
     """The device ``kernel="auto"`` is resolved for: the layers' device when they all run on one
     device type (several GPUs count as one type), else the CPU, whose choice (the torch backend)
     is the one that runs on every device."""
     devices = sorted(set(layer_devices(model)), key=str)
     return devices[0] if len({d.type for d in devices}) == 1 else torch.device("cpu")
+
+
+def engine_class(model: torch.nn.Module, cls: type) -> type:
+    """The class ``ContinuousBatchingEngine(model)`` builds: ``distributed.TensorParallelEngine`` when
+    transformers sharded ``model`` over several ranks (``tp_plan``), else ``cls``."""
+    from .distributed import engine_class  # it imports the engine, which imports this module
+
+    return engine_class(model, cls)

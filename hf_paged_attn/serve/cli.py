@@ -43,6 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds to let running requests finish on SIGTERM/SIGINT before aborting them")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--tp-plan", choices=("auto",),
+                   help="tensor parallel over the ranks of a torchrun launch (from_pretrained(tp_plan=...)): "
+                        "rank 0 serves, the other ranks run its steps on their shards")
     g = p.add_argument_group("paged engine (PagedConfig)")
     g.add_argument("--block-size", type=int)
     g.add_argument("--num-blocks", type=int)
@@ -71,19 +74,25 @@ def paged_config(args: argparse.Namespace) -> PagedConfig:
 
 
 def load(args: argparse.Namespace) -> tuple[Any, Any]:
-    """(paged engine, tokenizer) for ``args.model``."""
+    """(paged engine, tokenizer) for ``args.model``. With ``--tp-plan`` on a rank other than 0: runs
+    rank 0's steps until its server stops, then returns (None, None)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import hf_paged_attn  # noqa: F401  registers attn_implementation="paged"
     from hf_paged_attn import ContinuousBatchingEngine
+    from hf_paged_attn.distributed import is_driver, serve_worker
 
     config = paged_config(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
+    sharded = {"tp_plan": args.tp_plan} if args.tp_plan else {}  # transformers places each rank's shard
+    model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="paged", dtype=dtype, **sharded)
+    model = (model if sharded else model.to(device)).eval()
+    if not is_driver(model):
+        serve_worker(model)
+        return None, None
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="paged", dtype=dtype)
-    model = model.to(device).eval()
     return ContinuousBatchingEngine(model, config), tokenizer
 
 
@@ -111,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hf-paged-attn serve: error: {exc}", file=sys.stderr)
         return 2
     engine, tokenizer = load(args)
+    if engine is None:  # a tensor-parallel rank other than 0: its work is done
+        return 0
     settings = ServeSettings(
         model_name=args.served_model_name or args.model, api_key=args.api_key or None,
         max_queue=args.max_queue, chat_template=template,
@@ -137,5 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     Server(config).run(sockets=[sock])
+    if hasattr(engine, "shutdown"):  # tensor parallel: ends the other ranks' loop
+        engine.shutdown()
     logger.info("stopped")
     return 0
