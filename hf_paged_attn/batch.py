@@ -7,7 +7,7 @@ and to ``PagedAttentionCache.update`` through the cache; nothing downstream reco
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -40,6 +40,7 @@ class StepMetadata:
     is_decode: bool  # every request feeds exactly one token: the paged decode kernel runs
     backend: ModuleType | None = None
     cache: PagedAttentionCache | None = None
+    memo: dict = field(default_factory=dict)  # per-step, layer-independent work a kernel backend keeps
 
 
 def cumulative(lengths: list[int], device: torch.device) -> torch.Tensor:

@@ -218,6 +218,51 @@ def test_decode_writes_only_new_slots() -> None:
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    lens=st.lists(st.integers(0, 40), min_size=1, max_size=5),
+    block_size=st.sampled_from([1, 4, 8]),
+    opts=attn_options(),
+    append=st.booleans(),
+    num_steps=st.integers(1, 3),
+)
+def test_decode_memo_across_layers_and_steps(
+    lens: list[int], block_size: int, opts: dict, append: bool, num_steps: int
+) -> None:
+    """As the engine calls it: one memo per step (StepMetadata.memo) shared by every layer, each layer
+    with its own pages. Every layer of every step equals the reference, and all layers' pages point to
+    one gather workspace that the steps reuse."""
+    gen = torch.Generator().manual_seed(opts["seed"])
+    h_kv, d = opts["num_kv_heads"], opts["head_dim"]
+    h, batch, num_layers = h_kv * opts["group"], len(lens), 3
+    final = [n + append * num_steps for n in lens]  # room for every appended token
+    k_cache, v_cache, table, _, _ = _paged_case(gen, final, block_size, h_kv, d, 1, torch.float32)
+    caches = [(k_cache, v_cache)]
+    for _ in range(num_layers - 1):  # same block table, other contents
+        caches.append((_randn(gen, *k_cache.shape), _randn(gen, *k_cache.shape)))
+    kw = _kwargs(opts, h, gen)
+    workspaces = []
+    for step in range(num_steps):
+        before = [n + append * step for n in lens]  # tokens cached before this step
+        seqlens, memo = torch.tensor(before, dtype=torch.int32), {}
+        for k_cache, v_cache in caches:
+            q = _randn(gen, batch, 1, h, d)
+            k_new = _randn(gen, batch, 1, h_kv, d) if append else None
+            v_new = _randn(gen, batch, 1, h_kv, d) if append else None
+            out = torch_backend.paged_decode_attention(
+                q, k_cache, v_cache, k_new, v_new, seqlens, table, **kw, memo=memo
+            )
+            for b, n in enumerate(before):
+                keys = reference.gather_pages(k_cache, table[b], n + append)
+                values = reference.gather_pages(v_cache, table[b], n + append)
+                if append:
+                    assert torch.equal(keys[-1], k_new[b, 0]) and torch.equal(values[-1], v_new[b, 0])
+                torch.testing.assert_close(out[b], reference.attend_one(q[b], keys, values, **kw), **TOL)
+        workspaces += [getattr(k_cache, "_hf_paged_workspace", None) for k_cache, _ in caches]
+    if max(final) > 0:  # some step gathered keys: one workspace, shared by all layers and steps
+        assert workspaces[0] is not None and all(w is workspaces[0] for w in workspaces)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("softcap_and_sinks", [False, True])
 def test_half_precision_smoke(dtype: torch.dtype, softcap_and_sinks: bool) -> None:
@@ -298,11 +343,13 @@ def _check_cascade(
     q = _randn(gen, len(rows), 1, h, d, dtype=dtype)
     kw = _kwargs(opts, h, gen)
     calls = []
-    cascade = torch_backend._decode_cascade
-    monkeypatch.setattr(torch_backend, "_decode_cascade", lambda *a, **k: calls.append(a[5]) or cascade(*a, **k))
-    out = torch_backend.paged_decode_attention(
-        q, k_cache, v_cache, k_new, v_new, torch.tensor(lens, dtype=torch.int32), table, **kw
-    )
+    plan = torch_backend._cascade_plan
+    monkeypatch.setattr(torch_backend, "_cascade_plan", lambda *a, **k: calls.append(a[2]) or plan(*a, **k))
+    seqlens, memo = torch.tensor(lens, dtype=torch.int32), {}
+    out = torch_backend.paged_decode_attention(q, k_cache, v_cache, k_new, v_new, seqlens, table, **kw, memo=memo)
+    # A second layer of the same step (same memo): the plan is reused, not rebuilt, and the output is the same.
+    again = torch_backend.paged_decode_attention(q, k_cache, v_cache, k_new, v_new, seqlens, table, **kw, memo=memo)
+    assert len(calls) <= 1 and torch.equal(again, out)
     tol = TOL if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     for b, n in enumerate(lens):
         keys = reference.gather_pages(k_cache, table[b], n + append)  # after the append, if any
