@@ -95,6 +95,25 @@ def test_varlen_matches_reference(shapes: list[tuple[int, int]], opts: dict) -> 
     torch.testing.assert_close(out, expected, **TOL)
 
 
+@settings(max_examples=30, deadline=None)
+@given(shapes=varlen_shapes(), opts=attn_options())
+def test_varlen_memo_across_layers(shapes: list[tuple[int, int]], opts: dict) -> None:
+    """Layers of one step share a memo (StepMetadata.memo): the first builds the buckets, the others
+    reuse them with their own q/k/v, and every layer equals the reference."""
+    gen = torch.Generator().manual_seed(opts["seed"])
+    h_kv, d = opts["num_kv_heads"], opts["head_dim"]
+    h = h_kv * opts["group"]
+    q_lens, k_lens = [s[0] for s in shapes], [s[1] for s in shapes]
+    cu_q, cu_k = _cu(q_lens), _cu(k_lens)
+    kw, memo = _kwargs(opts, h, gen), {}
+    for _ in range(3):
+        q = _randn(gen, sum(q_lens), h, d)  # [total_q, H, D]
+        k, v = _randn(gen, sum(k_lens), h_kv, d), _randn(gen, sum(k_lens), h_kv, d)
+        out = torch_backend.varlen_attention(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), **kw, memo=memo)
+        torch.testing.assert_close(out, reference.varlen_reference(q, k, v, cu_q, cu_k, **kw), **TOL)
+    assert len(memo) == 1  # one plan, made once
+
+
 def test_varlen_explicit_path_chunks_long_queries(monkeypatch: pytest.MonkeyPatch) -> None:
     """The softcap/sinks path chunks queries to bound its score matrix; results must not change."""
     monkeypatch.setattr(torch_backend, "_MAX_SCORES", 500)
