@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from .kernels import KERNELS, resolve_kernel
+from .kernels import BACKENDS, KERNELS, resolve_kernel
 
 
 @dataclass(slots=True)
@@ -85,7 +85,9 @@ class PagedConfig:
         sinks): ``kernel="auto"`` becomes the backend that will run, then ``block_size=None`` that
         backend's size."""
         kernel = resolve_kernel(self.kernel, device, self.block_size, dtype, sinks)
-        block_size = self.block_size or {"flash": 256, "triton": 16}.get(kernel, 16 if device.type == "cuda" else 8)
+        backend = BACKENDS[kernel]
+        block_size = self.block_size or backend.default_block_size(device)
+        backend.check_block_size(block_size)
         return self.replace(kernel=kernel, block_size=block_size)
 
 

@@ -45,8 +45,8 @@ def test_resolved_picks_the_kernel_then_its_block_size(monkeypatch):
     assert PagedConfig().block_size is None
     config = PagedConfig().resolved(cpu)
     assert (config.kernel, config.block_size) == ("torch", 8)
-    monkeypatch.setattr(kernels, "flash_available", lambda device: device.type == "cuda")
-    monkeypatch.setattr(kernels, "triton_available", lambda device: device.type == "cuda")
+    monkeypatch.setattr(kernels.BACKENDS["flash"], "is_available", lambda device: device.type == "cuda")
+    monkeypatch.setattr(kernels.BACKENDS["triton"], "is_available", lambda device: device.type == "cuda")
     config = PagedConfig().resolved(cuda, torch.bfloat16)
     assert (config.kernel, config.block_size) == ("flash", 256)  # flash-attn 2's paged multiple
     config = PagedConfig().resolved(cuda, torch.float32)  # flash-attn has no fp32

@@ -1,9 +1,9 @@
-import os
 
 import pytest
 import torch
 
-from hf_paged_attn.kernels import load_backend, resolve_kernel
+from hf_paged_attn import PagedConfig
+from hf_paged_attn.kernels import BACKENDS, KERNELS, load_backend, resolve_kernel
 
 CPU = torch.device("cpu")
 
@@ -30,8 +30,8 @@ CUDA = torch.device("cuda")  # only inspected, never allocated on
 def test_auto_on_cuda_takes_the_fastest_backend_that_fits(monkeypatch, flash, triton, block_size, dtype, expected):
     import hf_paged_attn.kernels as kernels
 
-    monkeypatch.setattr(kernels, "flash_available", lambda device: flash and device.type == "cuda")
-    monkeypatch.setattr(kernels, "triton_available", lambda device: triton and device.type == "cuda")
+    monkeypatch.setattr(kernels.BACKENDS["flash"], "is_available", lambda device: flash and device.type == "cuda")
+    monkeypatch.setattr(kernels.BACKENDS["triton"], "is_available", lambda device: triton and device.type == "cuda")
     assert resolve_kernel("auto", CUDA, block_size, dtype) == expected
     assert resolve_kernel("auto", CPU, block_size, dtype) == "torch"
     assert resolve_kernel("torch", CUDA, block_size, dtype) == "torch"  # an explicit choice stays
@@ -48,15 +48,19 @@ def test_unknown_kernel():
 
 
 def test_block_size_rules_of_gpu_backends():
-    from hf_paged_attn.kernels import flash_backend
-
     with pytest.raises(ValueError, match="256"):
-        flash_backend.check_block_size(16)
-    flash_backend.check_block_size(256)
-    if os.environ.get("TRITON_INTERPRET") is None:
-        pytest.importorskip("triton")
-    from hf_paged_attn.kernels import triton_backend
-
+        BACKENDS["flash"].check_block_size(16)
+    BACKENDS["flash"].check_block_size(256)
     with pytest.raises(ValueError, match="24"):
-        triton_backend.check_block_size(24)
-    triton_backend.check_block_size(32)
+        BACKENDS["triton"].check_block_size(24)
+    BACKENDS["triton"].check_block_size(32)
+    with pytest.raises(ValueError, match="power of two"):  # an explicit size is checked up front
+        PagedConfig(kernel="triton", block_size=24).resolved(CUDA)
+
+
+def test_the_registry_lists_every_kernel_once():
+    assert set(BACKENDS) == {"torch", "flash", "triton"} and KERNELS == ("auto", *BACKENDS)
+    assert list(BACKENDS)[-1] == "torch", "auto's last resort must run everywhere"
+    for backend in BACKENDS.values():
+        assert backend.accepts_block_size(backend.default_block_size(CUDA))
+        assert backend.accepts_block_size(backend.default_block_size(CPU))

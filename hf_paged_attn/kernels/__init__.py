@@ -24,38 +24,108 @@ softmax_scale, causal=True, window_size=(-1, -1), softcap=0.0, sinks=None) -> ou
     attend to, the new one included. block_table: int32 [batch, max_blocks_per_seq], -1 for unallocated.
     Returns [batch, 1, num_heads, head_dim].
 
-Backends are imported lazily: only ``torch`` is always importable.
+The registry below is the one place that says, for each backend, when it can run (device, dtype,
+attention sinks), which block sizes it accepts and its default: ``kernel="auto"``,
+``PagedConfig.resolved`` and the engine all read it. Backends are imported lazily: only ``torch``
+is always importable.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
-KERNELS = ("auto", "torch", "flash", "triton")
 
-_MODULES = {
-    "torch": "hf_paged_attn.kernels.torch_backend",
-    "flash": "hf_paged_attn.kernels.flash_backend",
-    "triton": "hf_paged_attn.kernels.triton_backend",
+def _cuda_with(package: str, capability: tuple[int, int] = (0, 0)) -> Callable[[torch.device], bool]:
+    """Availability probe: a CUDA device of at least ``capability`` and ``package`` importable."""
+
+    def available(device: torch.device) -> bool:
+        if device.type != "cuda" or importlib.util.find_spec(package) is None:
+            return False
+        return torch.cuda.get_device_capability(device) >= capability
+
+    return available
+
+
+def _power_of_two_at_least_16(block_size: int) -> bool:
+    return block_size >= 16 and block_size & (block_size - 1) == 0
+
+
+@dataclass(slots=True)
+class Backend:
+    """What the engine needs to know about a kernel backend before importing it."""
+
+    name: str
+    module: str
+    is_available: Callable[[torch.device], bool]  # can it run on this device at all
+    accepts_block_size: Callable[[int], bool]
+    block_size_rule: str  # ``accepts_block_size`` in words, for error messages
+    default_block_size: Callable[[torch.device], int]
+    dtypes: tuple[torch.dtype, ...] | None = None  # None: every dtype
+    supports_sinks: bool = True
+    install_hint: str = ""
+
+    def suits(self, device: torch.device, block_size: int | None, dtype: torch.dtype | None, sinks: bool) -> bool:
+        """Can this backend run a cache of ``block_size`` (None: its own) in ``dtype`` on ``device``?"""
+        return (
+            self.is_available(device)
+            and (block_size is None or self.accepts_block_size(block_size))
+            and (dtype is None or self.dtypes is None or dtype in self.dtypes)
+            and (self.supports_sinks or not sinks)
+        )
+
+    def check_block_size(self, block_size: int) -> None:
+        if not self.accepts_block_size(block_size):
+            raise ValueError(
+                f"the {self.name} kernels need a block_size that is {self.block_size_rule}, got "
+                f"block_size={block_size}; leave PagedConfig.block_size=None for the kernel's own, or pick another kernel"
+            )
+
+    def load(self, device: torch.device) -> ModuleType:
+        if not self.is_available(device):
+            raise ValueError(f"kernel={self.name!r} {self.install_hint}; the model is on {device.type}")
+        return importlib.import_module(self.module)
+
+
+# In order of preference for kernel="auto": the first that suits the cache wins.
+BACKENDS: dict[str, Backend] = {
+    "flash": Backend(
+        name="flash",
+        module="hf_paged_attn.kernels.flash_backend",
+        is_available=_cuda_with("flash_attn"),
+        accepts_block_size=lambda size: size % 256 == 0,  # flash-attn 2's paged kernels
+        block_size_rule="a multiple of 256 (flash-attn 2's paged kernels)",
+        default_block_size=lambda device: 256,
+        dtypes=(torch.float16, torch.bfloat16),
+        supports_sinks=False,
+        install_hint="needs a CUDA device and flash-attn installed (pip install 'hf-paged-attn[flash]')",
+    ),
+    "triton": Backend(  # passed the GPU check on an H200 at 5x the torch backend's throughput
+        name="triton",
+        module="hf_paged_attn.kernels.triton_backend",
+        is_available=_cuda_with("triton", capability=(8, 0)),
+        accepts_block_size=_power_of_two_at_least_16,
+        block_size_rule="a power of two >= 16",
+        default_block_size=lambda device: 16,
+        install_hint="needs a CUDA GPU of compute capability 8.0 or newer and triton installed",
+    ),
+    "torch": Backend(  # the oracle: runs everywhere
+        name="torch",
+        module="hf_paged_attn.kernels.torch_backend",
+        is_available=lambda device: True,
+        accepts_block_size=lambda size: size > 0,
+        block_size_rule="positive",
+        # 8 on CPU halves the KV left unfilled in each request's last block at no measured cost
+        default_block_size=lambda device: 16 if device.type == "cuda" else 8,
+    ),
 }
 
-
-def flash_available(device: torch.device) -> bool:
-    """True when flash-attn can run on ``device`` (CUDA and the package importable)."""
-    if device.type != "cuda":
-        return False
-    return importlib.util.find_spec("flash_attn") is not None
-
-
-def triton_available(device: torch.device) -> bool:
-    """True when the Triton kernels can run on ``device``: CUDA, the package importable (torch's CUDA
-    wheels bring it) and a GPU Triton supports (compute capability 8.0 or newer)."""
-    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 0)
+KERNELS = ("auto", *BACKENDS)
 
 
 def resolve_kernel(
@@ -65,35 +135,15 @@ def resolve_kernel(
     dtype: torch.dtype | None = None,
     sinks: bool = False,
 ) -> str:
-    """Turn ``"auto"`` into a concrete backend name for ``device``.
-
-    ``auto`` takes the fastest backend that can run this cache: flash-attn when it is installed and
-    the block size (a multiple of 256) and dtype (fp16/bf16) suit it, else Triton on CUDA (a power
-    of two >= 16; its kernels passed the GPU check on an H200 at 5x the torch backend's throughput),
-    else torch. A ``block_size``/``dtype`` of None suits every backend (``PagedConfig.resolved``
-    then picks the backend's block size). ``sinks``: the model has attention sinks (GPT-OSS),
-    which flash-attn 2 lacks.
-    """
+    """Turn ``"auto"`` into the first backend of ``BACKENDS`` that suits the cache (``block_size``
+    and ``dtype`` of None suit every backend); an explicit name stays as it is."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r} is not one of {KERNELS}")
     if kernel != "auto":
         return kernel
-    flash_block = block_size is None or block_size % 256 == 0
-    flash_dtype = dtype is None or dtype in (torch.float16, torch.bfloat16)
-    if flash_available(device) and flash_block and flash_dtype and not sinks:
-        return "flash"
-    triton_block = block_size is None or (block_size >= 16 and block_size & (block_size - 1) == 0)
-    if triton_available(device) and triton_block:
-        return "triton"
-    return "torch"
+    return next(name for name, backend in BACKENDS.items() if backend.suits(device, block_size, dtype, sinks))
 
 
 def load_backend(kernel: str, device: torch.device) -> ModuleType:
-    """Import and return the backend module for ``kernel`` (lazily, so optional deps stay optional)."""
-    name = resolve_kernel(kernel, device)
-    if name == "flash" and not flash_available(device):
-        raise ValueError(
-            f"kernel='flash' needs a CUDA device and flash-attn installed (pip install 'hf-paged-attn[flash]'); "
-            f"the model is on {device.type}"
-        )
-    return importlib.import_module(_MODULES[name])
+    """Import and return the module of a resolved ``kernel`` (lazily: optional deps stay optional)."""
+    return BACKENDS[resolve_kernel(kernel, device)].load(device)

@@ -15,9 +15,10 @@ from types import ModuleType
 
 import torch
 
+from . import BACKENDS
+
 __all__ = ["paged_decode_attention", "paged_prefill_attention", "varlen_attention", "write_kv"]
 
-FLASH_PAGE_MULTIPLE = 256  # flash-attn 2's paged kernels need page_block_size % 256 == 0
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -31,14 +32,6 @@ def _load_flash_attn() -> ModuleType:
             "`pip install flash-attn --no-build-isolation` (or use kernel='torch' / 'triton')"
         ) from exc
     return flash_attn
-
-
-def _check_block_size(block_size: int) -> None:
-    if block_size % FLASH_PAGE_MULTIPLE:
-        raise ValueError(
-            f"flash-attn 2 needs a paged block_size that is a multiple of {FLASH_PAGE_MULTIPLE}, got "
-            f"block_size={block_size}; use PagedConfig(block_size=256) or kernel='torch' / 'triton'"
-        )
 
 
 def _check_supported(q: torch.Tensor, sinks: torch.Tensor | None) -> None:
@@ -73,7 +66,7 @@ def _check_pages(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
             f"k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
             f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
-    _check_block_size(k_cache.shape[1])
+    BACKENDS["flash"].check_block_size(k_cache.shape[1])
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         # The pages are updated in place, so they cannot be copied to fix their layout.
         raise ValueError("k_cache and v_cache must have a contiguous last dimension for flash-attn")
@@ -220,6 +213,3 @@ def write_kv(
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[keep].to(k_cache.dtype))  # [slots, H_kv, D]
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[keep].to(v_cache.dtype))
 
-
-# The engine checks PagedConfig.block_size with this when it is built, before any page exists.
-check_block_size = _check_block_size

@@ -23,6 +23,8 @@ import functools
 
 import torch
 
+from . import BACKENDS
+
 try:
     import triton
     import triton.language as tl
@@ -366,13 +368,6 @@ def _prefill_kernel(
 _INTERPRETED = type(_decode_kernel).__name__ == "InterpretedFunction"
 
 
-def _check_block_size(block_size: int) -> None:
-    if block_size < 16 or block_size & (block_size - 1):
-        raise ValueError(
-            f"the triton kernels need a block_size that is a power of two >= 16, got block_size={block_size}"
-        )
-
-
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
     """Validate the page tensors [num_blocks, block_size, H_kv, D]; return the block size."""
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
@@ -380,7 +375,7 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
             f"k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
             f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
-    _check_block_size(k_cache.shape[1])
+    BACKENDS["triton"].check_block_size(k_cache.shape[1])
     return k_cache.shape[1]
 
 
@@ -669,6 +664,3 @@ def varlen_attention(
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap, sinks=sinks,
     )  # fmt: skip
 
-
-# The engine checks PagedConfig.block_size with this when it is built, before any page exists.
-check_block_size = _check_block_size
