@@ -184,9 +184,25 @@ def _check_decode(
     block_size=st.sampled_from([1, 4, 16, 32]),
     opts=attn_options(),
     append=st.booleans(),
+    split=st.booleans(),
 )
-def test_decode_matches_reference(lens: list[int], block_size: int, opts: dict, append: bool) -> None:
-    _check_decode(lens, block_size, opts, append, torch.float32, TOL)
+def test_decode_matches_reference(lens: list[int], block_size: int, opts: dict, append: bool, split: bool) -> None:
+    """``split``: a bucket costs nothing, so requests of different lengths go to separate length buckets."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        if split:
+            monkeypatch.setattr(torch_backend, "BUCKET_OVERHEAD_BYTES", 0)
+        _check_decode(lens, block_size, opts, append, torch.float32, TOL)
+
+
+def test_length_buckets() -> None:
+    """Rows sorted by length are cut where padding to each bucket's longest costs the least."""
+    buckets = torch_backend._length_buckets
+    assert buckets([3, 3, 3], 0) is None  # equal lengths: nothing to save
+    assert buckets([1, 9, 1, 1], 0) == [[0, 2, 3], [1]]
+    assert buckets([1, 9, 1, 1], 24.0) is None  # saves 24 blocks of padding: not worth a bucket of 24
+    assert buckets([1, 9, 1, 1], 23.0) == [[0, 2, 3], [1]]
+    assert buckets([20, 1, 10, 1, 10, 20], 0) == [[1, 3], [2, 4], [0, 5]]  # three buckets at most
+    assert buckets([5], 0) is None
 
 
 def test_decode_worked_example() -> None:
@@ -332,6 +348,8 @@ def _check_cascade(
     monkeypatch: pytest.MonkeyPatch, tree: list, cut: list, block_size: int, opts: dict, append: bool, dtype
 ) -> None:
     monkeypatch.setattr(torch_backend, "CASCADE_MIN_TOKENS", 1)
+    if opts["seed"] % 2:  # the unshared rows in length buckets of their own
+        monkeypatch.setattr(torch_backend, "BUCKET_OVERHEAD_BYTES", 0)
     opts = {**opts, "window_size": (-1, opts["window_size"][1])}  # the cascade needs no left window
     gen = torch.Generator().manual_seed(opts["seed"])
     h_kv, d = opts["num_kv_heads"], opts["head_dim"]

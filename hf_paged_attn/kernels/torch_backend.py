@@ -217,12 +217,19 @@ def varlen_attention(
 
 CASCADE_MIN_TOKENS = 32  # shared tokens below which a group is not worth its own matmul
 WORKSPACE_HEADROOM = 1.25  # a decode step's gather grows by a token per request: grow buffers ahead of it
+# Fixed cost of one more length bucket in the plain decode path (indexing, two gathers, one SDPA call,
+# the scatter of its rows), in bytes of K/V it would take to gather and attend to in that time
+# (~100 us at ~5 GB/s on the 2-core CPU of benchmarks/README.md).
+BUCKET_OVERHEAD_BYTES = 1 << 19
+MAX_BUCKETS = 3
 
 
 @dataclass(slots=True)
 class _PlainPlan:
-    """Layer-independent tensors of the plain decode path (one gather per request's pages)."""
+    """Layer-independent tensors of one length bucket of the plain decode path (one gather of its
+    requests' pages, padded to its longest request)."""
 
+    rows: torch.Tensor | None  # [B_bucket] the bucket's rows of the batch; None: every row, in order
     pages: torch.Tensor | None  # [B * n_blocks] int64 block ids, -1 clamped to 0 (masked); None: no keys at all
     length: int  # L = n_blocks * block_size, keys per request after the gather
     mask: torch.Tensor | None  # bool [B, 1, 1, L]: which gathered keys each request sees
@@ -234,7 +241,7 @@ class _CascadePlan:
     """Layer-independent tensors of the cascade path (see ``_decode_cascade``)."""
 
     alone: torch.Tensor | None  # [B_alone] rows in no group, attended by the plain path
-    alone_plan: _PlainPlan | None
+    alone_plan: list[_PlainPlan] | None
     rows: torch.Tensor  # [G] rows that share, group after group
     pages: torch.Tensor  # [G * width] each grouped row's blocks after its group's shared ones
     length: int  # width * block_size
@@ -249,23 +256,80 @@ class _DecodePlan:
 
     lens: torch.Tensor  # [B] int64 tokens attended per request (the appended one included)
     slots: torch.Tensor | None  # [B] int64 flat cache slot of each appended token
-    plain: _PlainPlan | None
+    plain: list[_PlainPlan] | None  # length buckets
     cascade: _CascadePlan | None
 
 
+def _length_buckets(num_blocks: list[int], overhead: float) -> list[list[int]] | None:
+    """Rows grouped into at most ``MAX_BUCKETS`` buckets of similar length, or None for one bucket.
+
+    Each bucket gathers and attends ``rows x its longest row`` blocks, so one bucket pads every request to
+    the batch's longest (about half the work is padding when lengths are spread evenly). Rows sorted by
+    length are cut where ``sum(rows * longest) + overhead * buckets`` (in blocks) is smallest.
+    """
+    b = len(num_blocks)
+    if b < 2:
+        return None
+    order = sorted(range(b), key=num_blocks.__getitem__)
+    s = torch.tensor([num_blocks[r] for r in order], dtype=torch.float64)  # [B] ascending
+    top = float(s[-1])
+    cut = torch.arange(1, b, dtype=torch.float64)  # [B - 1] first row of the last bucket
+    best, cuts = b * top, []
+    two = cut * s[:-1] + (b - cut) * top  # [B - 1] cost with a cut before row i
+    i = int(two.argmin())
+    if float(two[i]) + overhead < best:
+        best, cuts = float(two[i]) + overhead, [i + 1]
+    if MAX_BUCKETS >= 3 and b >= 3:
+        first, second = cut.view(-1, 1), cut.view(1, -1)  # [B - 1, 1], [1, B - 1]: cuts i < j
+        three = first * s[:-1].view(-1, 1) + (second - first) * s[:-1].view(1, -1) + (b - second) * top
+        three = three.masked_fill(first >= second, float("inf"))  # [B - 1, B - 1]
+        flat = int(three.argmin())
+        if float(three.view(-1)[flat]) + 2 * overhead < best:
+            cuts = [flat // (b - 1) + 1, flat % (b - 1) + 1]
+    if not cuts:
+        return None
+    bounds = [0, *cuts, b]
+    return [order[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
+
+
 def _plain_plan(
-    lens: torch.Tensor, block_table: torch.Tensor, block_size: int, causal: bool, window: tuple[int, int]
+    lens: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    causal: bool,
+    window: tuple[int, int],
+    block_bytes: int,
+) -> list[_PlainPlan]:
+    """The plain path's buckets. ``block_bytes``: K and V bytes of one block, to weigh a bucket's overhead."""
+    lens_list = lens.tolist()
+    groups = _length_buckets([-(-n // block_size) for n in lens_list], BUCKET_OVERHEAD_BYTES / block_bytes)
+    if groups is None:
+        return [_bucket_plan(None, lens, block_table, block_size, causal, window)]
+    plans = []
+    for rows in groups:
+        idx = torch.tensor(rows, device=lens.device)
+        plans.append(_bucket_plan(idx, lens[idx], block_table[idx], block_size, causal, window))
+    return plans
+
+
+def _bucket_plan(
+    rows: torch.Tensor | None,
+    lens: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    causal: bool,
+    window: tuple[int, int],
 ) -> _PlainPlan:
     max_len = int(lens.max()) if lens.numel() else 0
     if max_len == 0:
-        return _PlainPlan(None, 0, None, None)
+        return _PlainPlan(rows, None, 0, None, None)
     pages = block_table[:, : -(-max_len // block_size)].long().clamp_min(0)  # [B, n_blocks]; -1 masked below
     length = pages.shape[1] * block_size
     k_len = lens.view(-1, 1, 1)  # [B, 1, 1]
     k_pos = torch.arange(length, device=lens.device)  # [L]
     mask = _visible(k_len - 1, k_pos, k_len, causal, tuple(window)).unsqueeze(1)  # [B, 1, 1, L]
     blank = ~mask.any(dim=-1, keepdim=True)  # [B, 1, 1, 1]
-    return _PlainPlan(pages.flatten(), length, mask, blank if bool(blank.any()) else None)
+    return _PlainPlan(rows, pages.flatten(), length, mask, blank if bool(blank.any()) else None)
 
 
 def _cascade_plan(
@@ -275,12 +339,15 @@ def _cascade_plan(
     block_size: int,
     causal: bool,
     window: tuple[int, int],
+    block_bytes: int,
 ) -> _CascadePlan:
     device = lens.device
     grouped = [r for rows, _ in groups for r in rows]
     alone = sorted(set(range(lens.shape[0])) - set(grouped))
     alone_idx = torch.tensor(alone, device=device) if alone else None
-    alone_plan = _plain_plan(lens[alone_idx], block_table[alone_idx], block_size, causal, window) if alone else None
+    alone_plan = None
+    if alone:
+        alone_plan = _plain_plan(lens[alone_idx], block_table[alone_idx], block_size, causal, window, block_bytes)
     rows = torch.tensor(grouped, device=device)  # [G]
     n = len(grouped)
     skip = torch.tensor([shared for members, shared in groups for _ in members], device=device).view(n, 1)  # [G, 1]
@@ -303,6 +370,7 @@ def _decode_plan(
     appended: bool,
     causal: bool,
     window: tuple[int, int],
+    block_bytes: int,
 ) -> _DecodePlan:
     lens = cache_seqlens.long()  # [B]
     slots = None
@@ -314,8 +382,9 @@ def _decode_plan(
     if max_len >= CASCADE_MIN_TOKENS and window[0] < 0:  # a window would cut into shared blocks
         groups = _shared_prefixes(block_table, lens.tolist(), block_size)
         if groups:
-            return _DecodePlan(lens, slots, None, _cascade_plan(lens, block_table, groups, block_size, causal, window))
-    return _DecodePlan(lens, slots, _plain_plan(lens, block_table, block_size, causal, window), None)
+            cascade = _cascade_plan(lens, block_table, groups, block_size, causal, window, block_bytes)
+            return _DecodePlan(lens, slots, None, cascade)
+    return _DecodePlan(lens, slots, _plain_plan(lens, block_table, block_size, causal, window, block_bytes), None)
 
 
 def _workspace(memo: dict | None, k_cache: torch.Tensor) -> dict | None:
@@ -471,13 +540,33 @@ def _decode_plain(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    buckets: list[_PlainPlan],
+    scale: float,
+    softcap: float,
+    sinks: torch.Tensor | None,
+    workspace: dict | None,
+) -> torch.Tensor:
+    """Each length bucket gathers its requests' pages and attends in one batched call.
+    q [B, 1, H, D] -> [B, 1, H, D] in q.dtype."""
+    if len(buckets) == 1 and buckets[0].rows is None:
+        return _decode_bucket(q, k_cache, v_cache, buckets[0], scale, softcap, sinks, workspace)
+    out = torch.empty_like(q)  # [B, 1, H, D]: the buckets cover every row
+    for bucket in buckets:
+        out[bucket.rows] = _decode_bucket(q[bucket.rows], k_cache, v_cache, bucket, scale, softcap, sinks, workspace)
+    return out
+
+
+def _decode_bucket(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
     plan: _PlainPlan,
     scale: float,
     softcap: float,
     sinks: torch.Tensor | None,
     workspace: dict | None,
 ) -> torch.Tensor:
-    """Gather each request's pages and attend in one batched call. q [B, 1, H, D] -> [B, 1, H, D] in q.dtype."""
+    """One bucket: q [B, 1, H, D] of its rows -> [B, 1, H, D] in q.dtype."""
     if plan.pages is None:
         return torch.zeros_like(q)
     b, _, h, d = q.shape
@@ -525,7 +614,10 @@ def paged_decode_attention(
     key = ("decode", k_cache.shape[1], appended, causal, tuple(window_size))
     plan = memo.get(key) if memo is not None else None
     if plan is None:
-        plan = _decode_plan(cache_seqlens, block_table, k_cache.shape[1], appended, causal, tuple(window_size))
+        block_bytes = k_cache[0].numel() * k_cache.element_size() + v_cache[0].numel() * v_cache.element_size()
+        plan = _decode_plan(
+            cache_seqlens, block_table, k_cache.shape[1], appended, causal, tuple(window_size), block_bytes
+        )
         if memo is not None:
             memo[key] = plan
     if appended:
