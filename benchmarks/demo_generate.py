@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--profile", action="store_true",
-                        help="instead: one paged run under hf_paged_attn.bench.profile's StepProfile")
+                        help="instead: one run of each system under hf_paged_attn.bench.profile's StepProfile")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL)
@@ -78,11 +78,12 @@ def main(argv: list[str] | None = None) -> None:
         f"sdpa generate @{len(prompts)}": lambda: padded_generate(sdpa, prompts, len(prompts), config, pad),
     }
     if args.profile:
-        padded_generate(paged, prompts[:4], 4, config, pad)
-        profile = StepProfile(paged)
-        with profile.record():
-            systems["paged generate (one call)"]()
-        print(format_profile(profile.summary()))
+        for (name, run), model in zip(systems.items(), (paged, sdpa, sdpa)):
+            padded_generate(model, prompts[:4], 4, config, pad)
+            profile = StepProfile(model)
+            with profile.record():
+                run()
+            print(f"{name}:\n{format_profile(profile.summary())}")
         return
     lens = [len(p) for p in prompts]
     print(f"{len(prompts)} prompts of {min(lens)}-{max(lens)} tokens x {args.max_new_tokens} new tokens, "

@@ -7,8 +7,9 @@ on anything that drives the model through steps, the engine or ``model.generate`
 
 * a step is one top-level forward of the model; its host time is the wall time since the previous
   forward ended (scheduling, building the step's tensors, sampling, output bookkeeping);
-* attention is the registered ``"paged"`` function (the kernel) plus ``PagedAttentionCache.update``
-  (the varlen path's K/V write and gather);
+* attention is the model's attention function (the ``"paged"`` kernels, or ``"sdpa"``...) plus the
+  cache's ``update`` (the varlen path's K/V write and gather; ``torch.cat`` for transformers'
+  ``DynamicCache``), so padded ``generate`` on an sdpa model can be profiled the same way;
 * linear is every ``nn.Linear`` (projections, MLP, LM head), through forward hooks;
 * other is the rest of the forward: embeddings, norms, rotary, activations, residuals, Python.
 
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, Cache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..cache import ACTIVE_STEP, PagedAttentionCache
@@ -80,8 +81,10 @@ class StepProfile:
 
     # ---------------------------------------------------------------------------------- hooks
     def _install(self, stack: contextlib.ExitStack) -> None:
-        stack.enter_context(self._patched(ALL_ATTENTION_FUNCTIONS, NAME, "attention", item=True))
+        attention = getattr(self.model.config, "_attn_implementation", None) or NAME
+        stack.enter_context(self._patched(ALL_ATTENTION_FUNCTIONS, attention, "attention", item=True))
         stack.enter_context(self._patched(PagedAttentionCache, "update", "attention"))
+        stack.enter_context(self._patched(Cache, "update", "attention"))  # DynamicCache and the others
         clock = time.perf_counter
         started: list[float] = []
 
@@ -129,6 +132,8 @@ class StepProfile:
                 meta = ACTIVE_STEP.get()
                 if meta is not None and meta.is_decode:
                     step.kind = "decode"
+                elif meta is None and item and args[1].dim() == 4 and args[1].shape[2] == 1:
+                    step.kind = "decode"  # outside the engine: query [batch, heads, 1, head_dim]
 
         if item:
             owner[name] = timed
