@@ -77,22 +77,26 @@ def main() -> None:
     print(f"{work.name}: {work.num_requests} requests, {work.new_tokens} new tokens; {args.threads} threads; "
           f"load average before: {os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
     times: dict[str, list[float]] = {f"{s}@{c}": [] for s, c in runs}
+    cpu: dict[str, list[float]] = {name: [] for name in times}  # process CPU time: steadier under load
     for r in range(args.rounds):
         order = runs[r % len(runs) :] + runs[: r % len(runs)]
         reference = None
         for system, level in order:
             result = systems[system](models[kinds[system]], work, level)
             times[f"{system}@{level}"].append(result.wall_seconds)
+            cpu[f"{system}@{level}"].append(result.cpu_seconds)
             reference = reference or result.outputs
             if result.outputs != reference:
                 print(f"  {system}@{level} produced other tokens than {order[0][0]}")
         print(f"round {r + 1} (load {os.getloadavg()[0]:.2f}): "
               + ", ".join(f"{name} {work.new_tokens / t[-1]:.1f} tok/s" for name, t in times.items()), flush=True)
     medians = {name: statistics.median(t) for name, t in times.items()}
+    cpu_medians = {name: statistics.median(t) for name, t in cpu.items()}
     first = next(iter(medians))
     for name, seconds in medians.items():
-        print(f"{name:<16} median {work.new_tokens / seconds:7.1f} new tok/s ({seconds:.2f} s); "
-              f"{first} is {seconds / medians[first]:.2f}x as fast")  # fmt: skip
+        print(f"{name:<18} median {work.new_tokens / seconds:7.1f} new tok/s ({seconds:.2f} s wall, "
+              f"{cpu_medians[name]:.2f} s CPU); {first} is {seconds / medians[first]:.2f}x as fast "
+              f"({cpu_medians[name] / cpu_medians[first]:.2f}x in CPU time)")  # fmt: skip
 
 
 if __name__ == "__main__":
