@@ -5,7 +5,8 @@
 64 prompts of 4-62 tokens (seeded), 64 new tokens each (EOS ignored, so every system does the
 same work), greedy. Each round runs, in one process and alternating: the paged model's
 ``generate`` with all prompts in one call, sdpa's padded ``generate`` in batches of 16 and sdpa's
-``generate`` with all 64 at once. Prints every round, then medians and the ratios of medians, and
+``generate`` with all 64 at once (and, with ``--baseline-backend FILE``, the paged model on an older
+torch backend). Prints every round, then medians and the ratios of medians, and
 checks that the systems produced the same tokens (bar numerical near-ties, see
 ``hf_paged_attn.devtools.testing.compare_greedy``).
 """
@@ -18,6 +19,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+import baseline_backend  # benchmarks/baseline_backend.py
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -60,6 +62,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--baseline-backend", metavar="FILE",
+                        help="also the paged model with an older torch backend (baseline_backend.py)")
     parser.add_argument("--profile", action="store_true",
                         help="instead: one run of each system under hf_paged_attn.bench.profile's StepProfile")
     args = parser.parse_args(argv)
@@ -77,8 +81,16 @@ def main(argv: list[str] | None = None) -> None:
         "sdpa generate @16": lambda: padded_generate(sdpa, prompts, 16, config, pad),
         f"sdpa generate @{len(prompts)}": lambda: padded_generate(sdpa, prompts, len(prompts), config, pad),
     }
+    if args.baseline_backend:
+        old = baseline_backend.load(args.baseline_backend)
+
+        def paged_baseline() -> list:
+            with baseline_backend.engines_use(old):
+                return padded_generate(paged, prompts, len(prompts), config, pad)
+
+        systems["paged, baseline backend"] = paged_baseline
     if args.profile:
-        for (name, run), model in zip(systems.items(), (paged, sdpa, sdpa)):
+        for (name, run), model in zip(systems.items(), (paged, sdpa, sdpa, paged)):
             padded_generate(model, prompts[:4], 4, config, pad)
             profile = StepProfile(model)
             with profile.record():

@@ -14,37 +14,25 @@ e.g. ``git show REV:hf_paged_attn/kernels/torch_backend.py > FILE``).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
 import tempfile
 
+import baseline_backend  # benchmarks/baseline_backend.py
 import torch
 from transformers import AutoModelForCausalLM
 
 from hf_paged_attn.bench.systems import MODEL_KIND, SYSTEMS, run_engine
 from hf_paged_attn.bench.workloads import WORKLOADS
-from hf_paged_attn.engine import ContinuousBatchingEngine
 
 
 def baseline_system(path: str):  # noqa: ANN201
     """``run_engine`` with every engine it builds calling the backend module in ``path``."""
-    spec = importlib.util.spec_from_file_location("torch_backend_baseline", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = baseline_backend.load(path)
 
     def run(model, work, level):  # noqa: ANN001, ANN202
-        original = ContinuousBatchingEngine.__init__
-
-        def init(self, *a, **k) -> None:  # noqa: ANN001, ANN002, ANN003
-            original(self, *a, **k)
-            self.backend = module
-
-        ContinuousBatchingEngine.__init__ = init
-        try:
+        with baseline_backend.engines_use(module):
             return run_engine(model, work, level)
-        finally:
-            ContinuousBatchingEngine.__init__ = original
 
     return run
 
