@@ -14,6 +14,7 @@ checks that the systems produced the same tokens (bar numerical near-ties, see
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import time
@@ -50,10 +51,11 @@ def padded_generate(model, prompts: list[list[int]], batch: int, config: Generat
     return outs
 
 
-def timed(fn: Callable[[], list]) -> tuple[float, list]:
-    start = time.perf_counter()
+def timed(fn: Callable[[], list]) -> tuple[float, float, list]:
+    """(wall seconds, process CPU seconds, output): CPU time is the steadier figure on a loaded machine."""
+    start, cpu = time.perf_counter(), time.process_time()
     out = fn()
-    return time.perf_counter() - start, out
+    return time.perf_counter() - start, time.process_time() - cpu, out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -98,24 +100,28 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{name}:\n{format_profile(profile.summary())}")
         return
     lens = [len(p) for p in prompts]
-    print(f"{len(prompts)} prompts of {min(lens)}-{max(lens)} tokens x {args.max_new_tokens} new tokens, "
-          f"{args.threads} threads")  # fmt: skip
+    print(f"load {os.getloadavg()[0]:.2f}; {len(prompts)} prompts of {min(lens)}-{max(lens)} tokens x "
+          f"{args.max_new_tokens} new tokens, {args.threads} threads")  # fmt: skip
     for model in (paged, sdpa):  # warm-up: allocations, first-call paths
         padded_generate(model, prompts[:4], 4, config, pad)
     times: dict[str, list[float]] = {name: [] for name in systems}
+    cpu: dict[str, list[float]] = {name: [] for name in systems}
     outputs: dict[str, list] = {}
     for r in range(args.rounds):
         order = list(systems) if r % 2 == 0 else list(reversed(systems))  # alternate who goes first
         for name in order:
-            seconds, outputs[name] = timed(systems[name])
+            seconds, cpu_seconds, outputs[name] = timed(systems[name])
             times[name].append(seconds)
+            cpu[name].append(cpu_seconds)
         print(f"round {r + 1}: " + ", ".join(f"{name} {times[name][-1]:.2f} s" for name in systems), flush=True)
     first = next(iter(systems))
     medians = {name: statistics.median(t) for name, t in times.items()}
     tokens = len(prompts) * args.max_new_tokens
+    cpu_medians = {name: statistics.median(t) for name, t in cpu.items()}
     for name, med in medians.items():
-        ratio = medians[name] / medians[first]
-        print(f"{name:<28} median {med:.3f} s  {tokens / med:7.0f} new tok/s  paged is {ratio:.2f}x faster")
+        cpu_ratio = cpu_medians[name] / cpu_medians[first]
+        print(f"{name:<28} median {med:.3f} s ({cpu_medians[name]:.3f} s CPU)  {tokens / med:7.0f} new tok/s  "
+              f"paged is {med / medians[first]:.2f}x faster ({cpu_ratio:.2f}x in CPU time)")
     for name in systems:
         if name != first:
             same = sum(a == b for a, b in zip(outputs[first], outputs[name]))
