@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--baseline-backend", metavar="FILE",
                         help="also the paged model with an older torch backend (baseline_backend.py)")
     parser.add_argument("--profile", action="store_true",
-                        help="instead: one run of each system under hf_paged_attn.bench.profile's StepProfile")
+                        help="instead: one run of each system under hf_paged_attn.bench.profile's StepProfile "
+                        "(CPU time with --threads 1)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL)
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.profile:
         for (name, run), model in zip(systems.items(), (paged, sdpa, sdpa, paged)):
             padded_generate(model, prompts[:4], 4, config, pad)
-            profile = StepProfile(model)
+            profile = StepProfile(model, time.thread_time if args.threads == 1 else time.perf_counter)
             with profile.record():
                 run()
             print(f"{name}:\n{format_profile(profile.summary())}")

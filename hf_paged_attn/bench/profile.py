@@ -13,7 +13,8 @@ on anything that drives the model through steps, the engine or ``model.generate`
 * linear is every ``nn.Linear`` (projections, MLP, LM head), through forward hooks;
 * other is the rest of the forward: embeddings, norms, rotary, activations, residuals, Python.
 
-Timings are wall clock on the host. On CUDA, kernels run asynchronously, so the split would only
+Timings are wall clock on the host (``clock=time.thread_time`` with one thread gives CPU time,
+which other processes on a shared machine do not inflate). On CUDA, kernels run asynchronously, so the split would only
 show launch time; the breakdown is meant for CPU (the GPU needs ``torch.profiler`` with CUDA
 activities). ``--profile-ops N`` adds ``torch.profiler``'s N most expensive ops of a second run.
 """
@@ -64,8 +65,9 @@ class Step:
 class StepProfile:
     """Records a :class:`Step` for every top-level forward of ``model`` inside ``record()``."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, clock: Callable[[], float] = time.perf_counter) -> None:
         self.model = model
+        self.clock = clock  # time.thread_time with one thread: CPU time, steady on a loaded machine
         self.steps: list[Step] = []
         self._current = Step()
         self._mark = 0.0  # end of the previous forward (or the start of recording)
@@ -76,7 +78,7 @@ class StepProfile:
     def record(self) -> Iterator[StepProfile]:
         with contextlib.ExitStack() as stack:
             self._install(stack)
-            self._mark = time.perf_counter()
+            self._mark = self.clock()
             yield self
 
     # ---------------------------------------------------------------------------------- hooks
@@ -85,7 +87,7 @@ class StepProfile:
         stack.enter_context(self._patched(ALL_ATTENTION_FUNCTIONS, attention, "attention", item=True))
         stack.enter_context(self._patched(PagedAttentionCache, "update", "attention"))
         stack.enter_context(self._patched(Cache, "update", "attention"))  # DynamicCache and the others
-        clock = time.perf_counter
+        clock = self.clock
         started: list[float] = []
 
         def linear_pre(module: torch.nn.Module, args: Any) -> None:
@@ -104,13 +106,13 @@ class StepProfile:
     def _forward_pre(self, module: torch.nn.Module, args: Any) -> None:
         self._depth += 1
         if self._depth == 1:
-            self._forward_start = time.perf_counter()
+            self._forward_start = self.clock()
 
     def _forward_post(self, module: torch.nn.Module, args: Any, out: Any) -> None:
         self._depth -= 1
         if self._depth:
             return
-        now = time.perf_counter()
+        now = self.clock()
         step = self._current
         step.forward, step.total = now - self._forward_start, now - self._mark
         self.steps.append(step)
@@ -123,12 +125,12 @@ class StepProfile:
         profile = self
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
+            start = profile.clock()
             try:
                 return original(*args, **kwargs)
             finally:
                 step = profile._current
-                setattr(step, part, getattr(step, part) + time.perf_counter() - start)
+                setattr(step, part, getattr(step, part) + profile.clock() - start)
                 meta = ACTIVE_STEP.get()
                 if meta is not None and meta.is_decode:
                     step.kind = "decode"
