@@ -15,8 +15,7 @@ Design (measured on CPU, see ``benchmarks/kernels_cpu.py``):
   lengths (append slots, buckets, gather indices, masks, cascade groups) is computed by the first
   layer of a step and kept in the step's ``memo`` for the others, and on CPU the gathers go into one
   reused workspace: a fresh multi-MiB tensor per layer was page-faulted (zero-filled) by the kernel
-  on every call. On the bundled model (64 requests x 64 tokens) this took the decode attention from
-  about 60% to 30% of a decode step (``python -m hf_paged_attn.bench --profile``).
+  on every call. One step's decode attention ran 3-4x faster than before (``benchmarks/decode_step_cpu.py``).
 * decode with shared prefixes (cascade): requests whose leading blocks are the same physical
   blocks (prefix caching, ``num_return_sequences`` forks) gather those blocks once per group and
   attend to them with one matmul; each request then gathers only the blocks after the shared ones,
