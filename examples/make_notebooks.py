@@ -1,17 +1,25 @@
-"""Write the example notebooks of this folder from the cells below, without outputs.
+"""Write the example notebooks of this folder from the cells below, execute them, store them with outputs.
 
-    python examples/make_notebooks.py           # (re)write examples/*.ipynb
-    python examples/make_notebooks.py --check   # exit 1 if a notebook differs from what this script writes
+    python examples/make_notebooks.py               # (re)write and execute examples/*.ipynb (make notebooks)
+    python examples/make_notebooks.py 02 04         # only the notebooks whose names start with these
+    python examples/make_notebooks.py --check       # exit 1 if a stored notebook is stale or not cleanly executed
 
-Edit the cells here, not in the .ipynb files, and run the script: the notebooks stay legible in
-diffs, stripped of outputs (execution_count null) and reproducible (fixed cell ids).
-``tests/test_notebooks.py`` runs every notebook top to bottom.
+Edit the cells here, not in the .ipynb files, and run the script. The notebooks are stored executed,
+so a reader browsing the repository sees the printed results and the figures; their cells have fixed
+ids, so a diff shows what changed. The kernel runs on this interpreter (this checkout's package and
+pinned versions) with OMP_WAIT_POLICY=PASSIVE unless the environment sets it, and without tqdm's
+"IProgress not found" warning (ipywidgets is not installed here). A stored notebook must
+be free of noise: no error, nothing on stderr (warnings, progress bars). ``tests/test_notebooks.py``
+checks the stored notebooks and executes every one again.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import os
 import sys
+import time
 from pathlib import Path
 
 import nbformat
@@ -22,10 +30,12 @@ HERE = Path(__file__).resolve().parent
 # Every notebook loads the bundled demo model this way.
 LOAD = """\
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging
 
 import hf_paged_attn  # importing it registers attn_implementation="paged" with transformers
 {engine}from hf_paged_attn.demo import DEMO_MODEL{prompts}  # the 4.2M-parameter Llama that ships with the package
 
+logging.disable_progress_bar()  # the 17 MB model loads in a blink: no "Loading weights" bar
 tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL{tokenizer_args})
 model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, attn_implementation="paged").eval()
 print(f"hf_paged_attn {{hf_paged_attn.__version__}}: {{model.num_parameters():,}} parameters, "
@@ -167,10 +177,76 @@ for request_id, text in shown.items():
     ("md", """\
 `add_request` and `abort` may also be called from other threads while one thread runs `stream()`.
 
-## 3. Batch convenience and statistics
+## 3. Watch requests join and leave the batch
+
+Twelve requests of different lengths, at most four running at once (`max_num_seqs=4`), and three
+more arriving while the others run. Each time a request finishes, a waiting one takes its slot at the
+next step. The loop records, after each step (`engine.stats.num_steps`), how many requests run and
+wait and how many KV blocks they hold: a finished request gives its blocks back at once."""),
+    ("code", """\
+import random
+
+from hf_paged_attn.demo import PROMPTS
+
+engine = ContinuousBatchingEngine(model, PagedConfig(max_num_seqs=4))
+rng = random.Random(0)
+added, first, last = {}, {}, {}  # request id -> step count when it was added / gave its first / last token
+
+
+def add(i):
+    request_id = f"r{i}"
+    ids = tokenizer(PROMPTS[i])["input_ids"]
+    engine.add_request(ids, max_new_tokens=rng.randint(4, 24), request_id=request_id)
+    added[request_id] = engine.stats.num_steps
+
+
+for i in range(12):
+    add(i)
+per_step = {}  # step -> (running, waiting, KV blocks in use) after it
+for out in engine.stream():
+    stats = engine.stats
+    step = stats.num_steps
+    first.setdefault(out.request_id, step)
+    last[out.request_id] = step
+    per_step[step] = (stats.num_running, stats.num_waiting, stats.num_blocks - stats.num_free_blocks)
+    if step == 20 and len(added) == 12:  # three late arrivals
+        for i in range(12, 15):
+            add(i)
+print(f"{len(added)} requests in {engine.stats.num_steps} steps, "
+      f"at most {engine.stats.peak_used_blocks} KV blocks of {engine.config.block_size} tokens in use")"""),
+    ("code", """\
+%matplotlib inline
+import matplotlib.pyplot as plt
+from matplotlib.ticker import MaxNLocator
+
+fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(7, 6.5), sharex=True, height_ratios=[3, 1.3, 1.3])
+for row, request_id in enumerate(added):
+    # Step k runs in [k - 1, k]: a request waits from when it was added, then runs steps first..last.
+    top.barh(row, first[request_id] - 1 - added[request_id], left=added[request_id], color="lightgrey")
+    top.barh(row, last[request_id] - first[request_id] + 1, left=first[request_id] - 1, color="C0")
+top.set_yticks(range(len(added)), list(added))
+top.invert_yaxis()
+top.set_title("grey: waiting, blue: running (max_num_seqs=4)")
+
+steps = sorted(per_step)
+running, waiting, blocks = zip(*(per_step[s] for s in steps))
+middle.plot(steps, running, drawstyle="steps-mid", label="running")
+middle.plot(steps, waiting, drawstyle="steps-mid", label="waiting")
+middle.set_ylabel("requests")
+middle.yaxis.set_major_locator(MaxNLocator(integer=True))
+middle.legend(fontsize=8, loc="upper right")
+bottom.plot(steps, blocks, drawstyle="steps-mid", color="C3")
+bottom.set_ylabel("KV blocks\\nin use")
+bottom.set_ylim(bottom=0)
+bottom.set_xlabel("engine step")
+fig.tight_layout()
+plt.show()"""),
+    ("md", """\
+## 4. Batch convenience and statistics
 
 `engine.generate` queues a list of prompts, runs them to the end and returns their final outputs in
-input order. `engine.stats` covers everything the engine has run."""),
+input order. `engine.stats` covers everything the engine has run (here the requests of section 3
+too)."""),
     ("code", """\
 prompts = ["The while loop", "Keyword arguments", "The lambda expression"]
 results = engine.generate([tokenizer(p)["input_ids"] for p in prompts], max_new_tokens=[8, 16, 4])
@@ -307,34 +383,73 @@ with the same system prompt hits from its first request on:"""),
 second_wave = engine.generate(prompts, max_new_tokens=16)
 print([out.num_cached_tokens for out in second_wave])
 print(f"prefix hit rate over both waves: {engine.stats.prefix_hit_rate:.0%}")"""),
+    ("code", """\
+%matplotlib inline
+import matplotlib.pyplot as plt
+
+fig, axes = plt.subplots(1, 2, figsize=(8, 3), sharey=True)
+for ax, (wave, outs) in zip(axes, [("first wave", outputs), ("second wave", second_wave)]):
+    cached = [out.num_cached_tokens for out in outs]
+    computed = [len(out.prompt_ids) - c for out, c in zip(outs, cached)]
+    ax.bar(range(len(outs)), cached, label="from the cache")
+    ax.bar(range(len(outs)), computed, bottom=cached, label="computed")
+    ax.set_title(wave)
+    ax.set_xlabel("request")
+axes[0].set_ylabel("prompt tokens")
+axes[1].legend(fontsize=8)
+fig.tight_layout()
+plt.show()"""),
     ("md", """\
 ## 2. On vs off
 
-The same requests with caching on and off: same tokens (it is an optimization, not an
-approximation), less prefill work with it on. Each setting runs three times and keeps the fastest.
+The same requests with caching on and off, on a fresh engine each time: same tokens (it is an
+optimization, not an approximation), less prefill work with it on. The loop records each request's
+**time to first token** (TTFT): every prompt is queued at once, and a step's token budget
+(`max_batch_tokens`) takes the prompts' uncomputed tokens only, so with the cache more prompts fit in
+the first steps. Each setting runs three times; the chart shows the median TTFT per request.
 **Timings are noisy**, on a shared CPU especially; with this tiny model the saving is modest, and it
 grows with the length of the shared prefix and the cost of the model."""),
     ("code", """\
+import statistics
 import time
 
 
 def run(enable_prefix_caching):
     engine = ContinuousBatchingEngine(model, PagedConfig(enable_prefix_caching=enable_prefix_caching))
     start = time.perf_counter()
-    outputs = engine.generate(prompts, max_new_tokens=16)
-    return time.perf_counter() - start, [o.output_ids for o in outputs], engine.stats
+    ids = [engine.add_request(p, max_new_tokens=16, request_id=f"q{i}") for i, p in enumerate(prompts)]
+    ttft, tokens = {}, {}
+    for out in engine.stream():
+        ttft.setdefault(out.request_id, time.perf_counter() - start)
+        if out.finished:
+            tokens[out.request_id] = out.output_ids
+    return time.perf_counter() - start, [ttft[i] for i in ids], [tokens[i] for i in ids], engine.stats
 
 
-seconds, tokens = {}, {}
+seconds, ttft, tokens = {}, {}, {}
 for enabled in (True, False):
     runs = [run(enabled) for _ in range(3)]
-    seconds[enabled] = min(r[0] for r in runs)
-    tokens[enabled], stats = runs[0][1], runs[0][2]
-    print(f"enable_prefix_caching={enabled!s:5}: best of 3 {seconds[enabled]:.2f} s, "
+    seconds[enabled] = statistics.median(r[0] for r in runs)
+    ttft[enabled] = [statistics.median(r[1][i] for r in runs) for i in range(len(prompts))]
+    tokens[enabled], stats = runs[0][2], runs[0][3]
+    print(f"enable_prefix_caching={enabled!s:5}: median of 3 {seconds[enabled]:.2f} s, "
+          f"median TTFT {1000 * statistics.median(ttft[enabled]):.0f} ms, "
           f"hit rate {stats.prefix_hit_rate:.0%}, {stats.num_steps} steps")
 
 assert tokens[True] == tokens[False], "prefix caching changed the output"
 print(f"same tokens either way; caching off took {seconds[False] / seconds[True]:.2f}x the time of caching on")"""),
+    ("code", """\
+fig, ax = plt.subplots(figsize=(7, 3))
+width = 0.4
+for shift, enabled in [(-width / 2, True), (width / 2, False)]:
+    label = f"prefix caching {'on' if enabled else 'off'}"
+    ax.bar([i + shift for i in range(len(prompts))], [1000 * t for t in ttft[enabled]], width, label=label)
+ax.set_xticks(range(len(prompts)), [f"q{i}" for i in range(len(prompts))])
+ax.set_xlabel("request (all queued at once)")
+ax.set_ylabel("time to first token (ms)")
+ax.legend(fontsize=8)
+fig.tight_layout()
+plt.show()"""),
 ]
 
 NOTEBOOKS["05_benchmark"] = [
@@ -436,19 +551,48 @@ plt.show()"""),
 `hf_paged_attn.bench.run` takes the command line of `python -m hf_paged_attn.bench` and returns the
 report it writes as JSON. `--smoke` is its tiny configuration (a random-weight model, 6 requests):
 it compares the engine, the routed `model.generate`, transformers' own continuous batching
-(`hf_cb`) and padded `generate` (`hf_padded`), checks that they all produce the same tokens, and
-draws the throughput plot. With a model this small, per-step overhead dominates: every system stays
-far below the forward-only bound (the dashed line). The full workloads take minutes:
-`make bench BENCH_ARGS="--workload uniform"`."""),
+(`hf_cb`) and padded `generate` (`hf_padded`), and checks that they all produce the same tokens.
+With a model this small, per-step overhead dominates: every system stays far below the
+forward-only bound (the model's forward alone on the same tokens, without any engine). The left
+panel compares the systems; the right one puts them next to the bound, on a log scale. The full
+workloads take minutes: `make bench BENCH_ARGS="--workload uniform"`."""),
     ("code", """\
 import tempfile
 
-from IPython.display import Image
-
 from hf_paged_attn.bench import run
 
-report = run(["--smoke", "--out", tempfile.mkdtemp(), "--threads", "1"])
-Image(report["plot"])"""),
+report = run(["--smoke", "--out", tempfile.mkdtemp(), "--threads", "1", "--no-plot"])"""),
+    ("code", """\
+from matplotlib.ticker import NullFormatter
+
+bound = report["bound"]["tokens_per_second"]
+levels = sorted({c for points in report["sweep"].values() for c, _ in points})
+best = {system: max(tps for _, tps in points) for system, points in report["sweep"].items()}
+
+fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.2), width_ratios=[3, 2])
+for system, points in report["sweep"].items():
+    xs, ys = zip(*points)
+    left.plot(xs, ys, marker="o", label=system)
+left.set_xscale("log", base=2)
+left.set_xticks(levels, [str(c) for c in levels])
+left.set_xlabel("concurrent requests")
+left.set_ylabel("new tokens / s")
+left.set_ylim(bottom=0)
+left.set_title("smoke run: the systems")
+left.legend(fontsize=8)
+values = {**best, "forward-only bound": bound}
+right.scatter(list(values.values()), list(values), color=[f"C{i}" for i in range(len(best))] + ["grey"], zorder=2)
+for name, value in values.items():
+    right.annotate(f"{value:,.0f}", (value, name), textcoords="offset points", xytext=(6, 4), fontsize=8)
+right.set_xscale("log")
+right.set_xlim(min(values.values()) / 3, bound * 5)
+right.xaxis.set_minor_formatter(NullFormatter())  # decades only: the minor labels overlap
+right.invert_yaxis()
+right.grid(True, axis="x", alpha=0.3)
+right.set_xlabel("new tokens / s (best level, log scale)")
+right.set_title("against the bound")
+fig.tight_layout()
+plt.show()"""),
 ]
 
 METADATA = {
@@ -457,11 +601,17 @@ METADATA = {
 }
 
 
+# Figures each notebook must show once executed (image/png outputs).
+FIGURES = {"02_streaming_engine": 1, "04_prefix_caching": 2, "05_benchmark": 2}
+TIMEOUT_S = 180  # per cell
+
+
 def build(name: str, cells: list[tuple[str, str]]) -> nbformat.NotebookNode:
-    nb = new_notebook(metadata=METADATA)
+    """The notebook as this script writes it, without outputs."""
+    nb = new_notebook(metadata=copy.deepcopy(METADATA))
     for i, (kind, source) in enumerate(cells):
         cell = new_markdown_cell(source) if kind == "md" else new_code_cell(source)
-        cell["id"] = f"{name[:2]}-{i:02d}"  # fixed ids: regenerating changes nothing
+        cell["id"] = f"{name[:2]}-{i:02d}"  # fixed ids: regenerating changes only what changed
         nb.cells.append(cell)
     nbformat.validate(nb)
     return nb
@@ -471,24 +621,102 @@ def render(nb: nbformat.NotebookNode) -> str:
     return nbformat.writes(nb) + "\n"
 
 
+def stripped(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """A copy without outputs: what :func:`build` wrote before execution."""
+    nb = copy.deepcopy(nb)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    return nb
+
+
+def execute(nb: nbformat.NotebookNode, timeout: int = TIMEOUT_S) -> nbformat.NotebookNode:
+    """Run every cell of ``nb`` in place, in a fresh kernel on this interpreter and this checkout."""
+    import nbclient
+    from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
+    from jupyter_client.manager import KernelManager
+
+    class ThisPythonKernels(KernelSpecManager):
+        """Every kernel name maps to an ipykernel on this interpreter, whatever kernels are installed."""
+
+        def get_kernel_spec(self, kernel_name: str) -> KernelSpec:
+            return KernelSpec(
+                argv=[sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                display_name=f"Python ({sys.executable})",
+                language="python",
+                name=kernel_name,
+            )
+
+    env = dict(os.environ)
+    # OpenMP threads that spin while waiting make a busy 2-core machine up to 10x slower.
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # tqdm.auto warns on import when ipywidgets is missing, as in this headless kernel (Jupyter with
+    # ipywidgets does not); the notebooks themselves switch transformers' progress bars off.
+    env["PYTHONWARNINGS"] = ",".join(w for w in (env.get("PYTHONWARNINGS"), "ignore:IProgress not found") if w)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE.parent), env.get("PYTHONPATH")) if p)
+    km = KernelManager(kernel_name="python3", kernel_spec_manager=ThisPythonKernels())
+    client = nbclient.NotebookClient(
+        nb, km=km, timeout=timeout, resources={"metadata": {"path": str(HERE)}},
+        record_timing=False, coalesce_streams=True,  # no timestamps in the stored file; one output per stream
+    )
+    # cleanup_kc: shut the kernel down afterwards. Raises CellExecutionError naming the cell if one fails.
+    client.execute(env=env, cleanup_kc=True)
+    nb.metadata = copy.deepcopy(METADATA)  # not the kernel's versions: the stored file stays machine-independent
+    return nb
+
+
+def problems(name: str, nb: nbformat.NotebookNode) -> list[str]:
+    """What is wrong with an executed notebook: unexecuted cells, errors, stderr noise, missing figures."""
+    found, figures, count = [], 0, 0
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        count += 1
+        if cell.execution_count != count:
+            found.append(f"{name}: cell {cell.id} not executed in order (execution_count {cell.execution_count})")
+        for output in cell.outputs:
+            if output.output_type == "error":
+                found.append(f"{name}: cell {cell.id} raised {output.ename}")
+            elif output.output_type == "stream" and output.name == "stderr":
+                found.append(f"{name}: cell {cell.id} wrote to stderr: {output.text.strip()[:120]!r}")
+            elif "image/png" in output.get("data", {}):
+                figures += 1
+    if figures != FIGURES.get(name, 0):
+        found.append(f"{name}: {figures} figures, expected {FIGURES.get(name, 0)}")
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true", help="only check that the notebooks are up to date")
+    parser.add_argument("names", nargs="*", help="name prefixes of the notebooks to write (default: all)")
+    parser.add_argument("--check", action="store_true", help="only check the stored notebooks; write nothing")
     args = parser.parse_args(argv)
-    stale = []
-    for name, cells in NOTEBOOKS.items():
+    selected = {n: c for n, c in NOTEBOOKS.items() if not args.names or any(n.startswith(p) for p in args.names)}
+    if not selected:
+        parser.error(f"no notebook starts with {args.names}; notebooks: {', '.join(NOTEBOOKS)}")
+    found = []
+    for name, cells in selected.items():
         path = HERE / f"{name}.ipynb"
-        text = render(build(name, cells))
+        nb = build(name, cells)
         if args.check:
-            if not path.exists() or path.read_text() != text:
-                stale.append(path.name)
-        else:
-            path.write_text(text)
-            print(f"wrote {path}")
-    if stale:
-        print(f"out of date (run python examples/make_notebooks.py): {', '.join(stale)}", file=sys.stderr)
-        return 1
-    return 0
+            if not path.exists():
+                found.append(f"{name}: missing")
+                continue
+            stored = nbformat.read(path, as_version=4)
+            if render(stripped(stored)) != render(nb):
+                found.append(f"{name}: cells differ from examples/make_notebooks.py")
+            found += problems(name, stored)
+            continue
+        start = time.perf_counter()
+        execute(nb)
+        found += problems(name, nb)
+        path.write_text(render(nb))
+        print(f"wrote {path.relative_to(HERE.parent)} ({time.perf_counter() - start:.1f} s)")
+    for line in found:
+        print(line, file=sys.stderr)
+    if found and args.check:
+        print("regenerate them with: make notebooks (python examples/make_notebooks.py)", file=sys.stderr)
+    return 1 if found else 0
 
 
 if __name__ == "__main__":

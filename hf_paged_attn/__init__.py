@@ -3,11 +3,15 @@
 Importing the package registers ``"paged"`` with transformers.
 """
 
+# First, before anything imports torch: importing _env applies the commands' environment defaults
+# (OMP_WAIT_POLICY=PASSIVE for hf-paged-attn and python -m hf_paged_attn.demo/.bench; no-op for a library import).
+from . import _env  # noqa: F401  # isort: split
 from .cache import PagedAttentionCache
 from .config import PagedConfig
-from .engine import ContinuousBatchingEngine, EngineStats
+from .engine import ContinuousBatchingEngine
 from .integration import register
-from .request import RequestOutput
+from .request import RequestOutput, TokenLogprob
+from .stats import EngineStats
 
 __all__ = [
     "ContinuousBatchingEngine",
@@ -15,6 +19,7 @@ __all__ = [
     "PagedAttentionCache",
     "PagedConfig",
     "RequestOutput",
+    "TokenLogprob",
     "register",
 ]
 __version__ = "0.1.0"

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
-from .batch import StepMetadata
 from .cache import ACTIVE_STEP, pad_head_dim
-from .support import check_attention_call
+from .model_checks import check_attention_call
+from .step import StepMetadata
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,9 +47,11 @@ def paged_attention_forward(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if meta is None:
         return plain_attention(module, query, key, value, attention_mask, dropout, scale, softcap, s_aux, **kwargs)
+    meta = meta.on(query.device)  # layers spread over devices: the step's tensors where this one runs
     if isinstance(attention_mask, PagedWindow):
         sliding_window, attention_mask = sliding_window or attention_mask.size, None
     layer = check_attention_call(module, key, value, attention_mask, meta)
+    meta = meta.for_group(layer.group)  # the block tables of this layer's attention group
     layer.window = sliding_window  # what this layer really sees: lets the engine free older blocks
     value_dim = value.shape[-1]
     if query.shape[-1] != layer.width or value_dim != layer.width:  # K and V head dims differ (latent attention)

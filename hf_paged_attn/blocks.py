@@ -1,23 +1,31 @@
 """Block allocator: which physical KV blocks are free, who holds the others, and which full
 blocks can be reused as a cached prefix.
 
-Plain Python, no torch. Block ids index the first axis of every layer's page tensor, so one
-allocation serves all layers.
+Plain Python, no torch. Block ids index the first axis of the page tensors; one pool of blocks
+serves every attention group (``layers.py``).
 
-Prefix caching: a full block is identified by ``(parent block id, parent generation, its token
-ids)``. Dict lookup compares the token ids themselves, so a hit is never trusted on a hash alone;
-the parent's generation changes whenever the parent block is reused for other content, so a stale
-child can never be reached through a recycled parent id.
+Prefix caching: a full block is identified by ``(attention group, digest of every earlier token, its
+own token ids)``. The digest is a SHA-256 chain over the earlier blocks' tokens, so a block is
+found by its content alone, even when the blocks before it were evicted (a sliding-window group
+needs only the blocks inside its window); dict lookup compares the block's own token ids
+themselves, and SHA-256 makes a wrong earlier prefix as good as impossible.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict, deque
 
-ROOT = (-1, 0)  # parent of a sequence's first block
 RELEASED = -1  # a request's block that fell out of its sliding window and was freed early
 
-PrefixKey = tuple[int, int, tuple[int, ...]]
+PrefixKey = tuple[int, bytes, tuple[int, ...]]  # (group, digest of the tokens before, the block's tokens)
+ROOT_DIGEST = b""
+
+
+def chain_digest(previous: bytes, tokens: tuple[int, ...]) -> bytes:
+    """Digest of a prefix: that of the prefix before this block, extended by the block's tokens."""
+    return hashlib.sha256(previous + array("q", tokens).tobytes()).digest()
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -42,7 +50,6 @@ class BlockAllocator:
         self._empty: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # free but cached, LRU first
         self._ref_counts = [0] * num_blocks
-        self._generation = [0] * num_blocks
         self._key_of: dict[int, PrefixKey] = {}
         self._cached: dict[PrefixKey, int] = {}
 
@@ -77,7 +84,6 @@ class BlockAllocator:
             else:
                 block, _ = self._evictable.popitem(last=False)
                 self._forget(block)
-            self._generation[block] += 1  # new content: keys naming the old one go stale
             self._ref_counts[block] = 1
             blocks.append(block)
         return blocks
@@ -107,36 +113,31 @@ class BlockAllocator:
                     self._empty.append(block)
 
     # ------------------------------------------------------------------ prefix cache
-    def child_key(self, parent: int | None, tokens: tuple[int, ...]) -> PrefixKey:
-        if parent is None:
-            return (*ROOT, tokens)
-        return (parent, self._generation[parent], tokens)
+    def cached(self, key: PrefixKey) -> int | None:
+        """The block holding ``key``'s content, held or free, or None."""
+        return self._cached.get(key) if self.enable_prefix_caching else None
 
-    def lookup(self, token_blocks: list[tuple[int, ...]]) -> list[int]:
-        """The longest run of cached blocks holding ``token_blocks`` (each a full block's ids)."""
+    def lookup(self, token_blocks: list[tuple[int, ...]], group: int = 0) -> list[int]:
+        """The longest run of cached blocks holding ``token_blocks`` (each a full block's ids) from
+        a sequence's start, in ``group``."""
         hits: list[int] = []
-        if not self.enable_prefix_caching:
-            return hits
-        parent = None
+        digest = ROOT_DIGEST
         for tokens in token_blocks:
-            block = self._cached.get(self.child_key(parent, tokens))
+            block = self.cached((group, digest, tokens))
             if block is None:
                 break
             hits.append(block)
-            parent = block
+            digest = chain_digest(digest, tokens)
         return hits
 
     def num_evictable(self, blocks: list[int]) -> int:
         """How many of ``blocks`` sit unheld in the cache (taking them shrinks the free pool)."""
-        return sum(1 for b in blocks if self._ref_counts[b] == 0)
+        return sum(1 for b in blocks if b != RELEASED and self._ref_counts[b] == 0)
 
-    def register(self, block: int, parent: int | None, tokens: tuple[int, ...]) -> None:
-        """Record that ``block`` (held, full) holds ``tokens`` after ``parent``."""
+    def register(self, block: int, key: PrefixKey) -> None:
+        """Record that ``block`` (held, full) holds ``key``'s content."""
         if not self.enable_prefix_caching or block in self._key_of:
             return
-        if parent is not None and parent not in self._key_of:
-            return  # unreachable: lookups walk from the root through cached blocks only
-        key = self.child_key(parent, tokens)
         if key not in self._cached:  # a twin computed at the same time stays uncached
             self._cached[key] = block
             self._key_of[block] = key

@@ -17,7 +17,8 @@ import torch
 from transformers import Cache, PreTrainedConfig
 from transformers.cache_utils import CacheLayerMixin
 
-from .batch import StepMetadata
+from .layers import LayerKinds
+from .step import StepMetadata
 
 # The step running in this thread, for the attention function of models whose decoder layers don't
 # forward **kwargs (Nemotron), so that the ``paged_metadata`` forward kwarg never reaches it.
@@ -34,14 +35,18 @@ class PagedLayer(CacheLayerMixin):
     """One layer's pages. ``keys``/``values``: [num_blocks, block_size, num_kv_heads, width], where
     ``width`` is the larger of the key and value head dims (equal in most models)."""
 
-    def __init__(self, num_blocks: int, block_size: int, is_sliding: bool = False) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, is_sliding: bool = False, group: int = 0, slot: int | None = None
+    ) -> None:
         super().__init__()
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.is_sliding = is_sliding
+        self.group = group  # attention group (layers.py): whose block tables address these pages
+        self.slot = slot  # page tensor shared with the same slot of the other groups (None: own pages)
         self.window: int | None = None  # sliding window the attention used last (None: full)
         # Weak references to the K/V that the last update returned: the attention function checks
-        # that it got exactly these (support.check_attention_call) without keeping them alive.
+        # that it got exactly these (model_checks.check_attention_call) without keeping them alive.
         self.returned: tuple[weakref.ref, weakref.ref] | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -54,6 +59,20 @@ class PagedLayer(CacheLayerMixin):
         self.keys = torch.zeros(shape, dtype=key_states.dtype, device=key_states.device)
         self.values = torch.zeros(shape, dtype=value_states.dtype, device=value_states.device)
         self.device = key_states.device
+        self.is_initialized = True
+
+    def can_share(self, owner: PagedLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
+        """Whether ``owner``'s page tensors can hold this layer's K/V (shape, dtype, device)."""
+        _, num_kv_heads, _, key_dim = key_states.shape
+        width = max(key_dim, value_states.shape[-1])
+        want = (owner.num_blocks, owner.block_size, num_kv_heads, width, key_states.dtype, key_states.device)
+        return want == (*owner.keys.shape, owner.keys.dtype, owner.keys.device)
+
+    def share_pages(self, owner: PagedLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Use ``owner``'s page tensors: the same slot of another attention group, addressed through
+        other block ids."""
+        self.key_dim, self.value_dim = key_states.shape[-1], value_states.shape[-1]
+        self.keys, self.values, self.device = owner.keys, owner.values, owner.device
         self.is_initialized = True
 
     @property
@@ -95,25 +114,27 @@ class PagedAttentionCache(Cache):
     K/V untouched: the paged decode kernel appends them in place.
     """
 
-    def __init__(self, config: PreTrainedConfig, num_blocks: int, block_size: int) -> None:
-        text_config = config.get_text_config()
-        num_layers = text_config.num_hidden_layers
-        layer_types = getattr(text_config, "layer_types", None) or ["full_attention"] * num_layers
-        layers = [
-            PagedLayer(num_blocks, block_size, is_sliding=layer_types[i] != "full_attention")
-            for i in range(num_layers)
-        ]
-        super().__init__(layers=layers)
+    def __init__(
+        self, config: PreTrainedConfig, num_blocks: int, block_size: int, layers: LayerKinds | None = None
+    ) -> None:
+        layers = layers or LayerKinds.from_config(config, share_pages=False)
+        shared = len(layers.groups) > 1  # hybrid groups: the j-th layer of every group shares slot j
+        super().__init__(
+            layers=[
+                PagedLayer(
+                    num_blocks, block_size, is_sliding=window is not None, group=layers.group_of_layer[i],
+                    slot=layers.slot_of_layer[i] if shared else None,
+                )
+                for i, window in enumerate(layers.windows)
+            ]
+        )  # fmt: skip
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.metadata: StepMetadata | None = None
-        # The layer of the last update: the attention call that follows reads its pages. Not the
-        # module's layer_idx, which some models offset (HRM reuses layers across recurrent cycles).
-        self.last_layer: PagedLayer | None = None
+        self._slot_owner: dict[int, PagedLayer] = {}
 
     @contextlib.contextmanager
     def step(self, metadata: StepMetadata) -> Iterator[StepMetadata]:
-        metadata.cache = self
         self.metadata = metadata
         token = ACTIVE_STEP.set(metadata)
         try:
@@ -121,7 +142,6 @@ class PagedAttentionCache(Cache):
         finally:
             ACTIVE_STEP.reset(token)
             self.metadata = None
-            self.last_layer = None
             for layer in self.layers:
                 layer.returned = None
 
@@ -135,30 +155,44 @@ class PagedAttentionCache(Cache):
                 "PagedAttentionCache.update was called outside an engine step; run generation through "
                 "model.generate or ContinuousBatchingEngine, or call the model without this cache"
             )
+        meta = meta.on(key_states.device)  # a layer placed on another device reads its own copy
         layer = self.layers[layer_idx]
         if not layer.is_initialized:
-            layer.lazy_initialization(key_states, value_states)
+            self._initialize(layer, key_states, value_states)
         if not meta.is_decode:
             assert key_states.shape[0] == 1, f"paged steps pack every request in batch row 0, got {key_states.shape}"
-            layer.write(key_states[0].transpose(0, 1), value_states[0].transpose(0, 1), meta.slot_mapping)
-            keys, values = layer.gather(meta.gather_slots)  # [K, H_kv, D] each
+            tables = meta.for_group(layer.group)  # this layer's block ids
+            layer.write(key_states[0].transpose(0, 1), value_states[0].transpose(0, 1), tables.slot_mapping)
+            keys, values = layer.gather(tables.gather_slots)  # [K, H_kv, D] each
             key_states = keys.transpose(0, 1).unsqueeze(0)  # [1, H_kv, K, D]
             value_states = values.transpose(0, 1).unsqueeze(0)
         layer.returned = (weakref.ref(key_states), weakref.ref(value_states))
-        self.last_layer = layer
+        # The attention call that follows reads this layer's pages. Not through the module's
+        # layer_idx, which some models offset (HRM reuses layers across recurrent cycles).
+        meta.last_layer = layer
         return key_states, value_states
 
-    def uniform_window(self) -> int | None:
-        """The sliding window when every layer attends through the same one, else None. Only then
-        may blocks that fell out of the window be freed: one block id serves all layers."""
-        windows = {layer.window for layer in self.layers}
-        return windows.pop() if len(windows) == 1 else None
+    def _initialize(self, layer: PagedLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        owner = self._slot_owner.get(layer.slot) if layer.slot is not None else None
+        # A layer whose K/V differ from its slot's (some models give sliding layers other head
+        # counts) keeps pages of its own: still addressed by its group's block ids, only larger.
+        if owner is not None and layer.can_share(owner, key_states, value_states):
+            layer.share_pages(owner, key_states, value_states)
+        else:
+            layer.lazy_initialization(key_states, value_states)
+            if layer.slot is not None:
+                self._slot_owner[layer.slot] = layer
+
+    def observed_windows(self) -> list[int | None]:
+        """The sliding window each layer's attention used at the last step (None: full)."""
+        return [layer.window for layer in self.layers]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block ``dst`` becomes a copy of block ``src`` in every layer."""
         if not pairs:
             return
-        for layer in self.layers:
+        distinct = {id(layer.keys): layer for layer in self.layers if layer.is_initialized}  # shared pages once
+        for layer in distinct.values():
             if layer.is_initialized:
                 src = torch.tensor([s for s, _ in pairs], device=layer.keys.device)
                 dst = torch.tensor([d for _, d in pairs], device=layer.keys.device)
@@ -172,13 +206,16 @@ class PagedAttentionCache(Cache):
         return 0, 0
 
 
-def bytes_per_block(config: PreTrainedConfig, block_size: int, dtype: torch.dtype) -> int:
-    """K and V bytes of one block across all layers (from the config: pages are made lazily)."""
+def bytes_per_block(
+    config: PreTrainedConfig, block_size: int, dtype: torch.dtype, num_layers: int | None = None
+) -> int:
+    """K and V bytes of one block across the ``num_layers`` layers one block id spans (default:
+    all; a hybrid model's ``LayerKinds.num_slots``), from the config: pages are made lazily."""
     text = config.get_text_config()
     num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * text.num_hidden_layers * block_size * num_kv_heads * head_dim * element
+    return 2 * (num_layers or text.num_hidden_layers) * block_size * num_kv_heads * head_dim * element
 
 
 def free_memory_bytes(device: torch.device) -> int:

@@ -1,10 +1,12 @@
-"""``hf-paged-attn`` command line: ``bench`` and ``demo`` subcommands.
+"""The hf-paged-attn command: bench, demo and serve subcommands.
 
-    hf-paged-attn bench --smoke
-    hf-paged-attn bench --workload uniform --out benchmarks/results --systems engine,hf_cb
     hf-paged-attn demo --num-prompts 8
+    hf-paged-attn bench --smoke
+    hf-paged-attn bench --workload uniform --out results --systems engine,hf_cb
+    hf-paged-attn serve --help              (needs the [serve] extra)
 
-Everything after the subcommand is passed to it unchanged (``hf-paged-attn bench --help``).
+Everything after the subcommand is passed to it unchanged: hf-paged-attn COMMAND --help.
+The command sets OMP_WAIT_POLICY=PASSIVE unless the environment already sets it (see the README).
 """
 
 from __future__ import annotations
@@ -12,33 +14,67 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import __version__
+
 COMMANDS = {
     "bench": "benchmark the engine against transformers' continuous batching and padded generate",
     "demo": "stream completions from the bundled demo model",
+    "serve": "OpenAI-compatible HTTP server (needs: pip install 'hf-paged-attn[serve]')",
 }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    commands = "\n".join(f"  {name:<8}{text}" for name, text in COMMANDS.items())
+    parser = argparse.ArgumentParser(
+        prog="hf-paged-attn",
+        description=__doc__,
+        epilog=f"commands:\n{commands}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("command", choices=list(COMMANDS), metavar="COMMAND", help="bench, demo or serve")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="the command's own arguments")
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``hf-paged-attn`` script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(
-        prog="hf-paged-attn", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("command", choices=sorted(COMMANDS), help="; ".join(f"{k}: {v}" for k, v in COMMANDS.items()))
-    if not argv or argv[0] in ("-h", "--help"):
-        parser.print_help()
-        return 0 if argv else 2
-    args, rest = parser.parse_known_args(argv[:1])
-    rest += argv[1:]
+    parser = build_parser()
+    if not argv:
+        parser.print_help(sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
+    prog = f"hf-paged-attn {args.command}"
     if args.command == "bench":
-        from .bench import main as bench_main
+        from .bench.command import main as bench_main
 
-        bench_main(rest)
-    else:
+        bench_main(args.args, prog=prog)
+        return 0
+    if args.command == "demo":
         from .demo import main as demo_main
 
-        demo_main(rest)
-    return 0
+        demo_main(args.args, prog=prog)
+        return 0
+    return serve(args.args)
+
+
+def serve(argv: list[str]) -> int:
+    """``hf-paged-attn serve``: forwards to ``hf_paged_attn.serve.cli.main``, imported only now."""
+    try:
+        from .serve.cli import main as serve_main
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.split(".")[0] == "hf_paged_attn":
+            print(f"hf-paged-attn serve: this installation has no server ({exc.name} is missing)", file=sys.stderr)
+        else:  # a dependency of the [serve] extra
+            print(
+                f"hf-paged-attn serve needs the [serve] extra ({exc.name} is not installed): "
+                "pip install 'hf-paged-attn[serve]'",
+                file=sys.stderr,
+            )
+        return 1
+    status = serve_main(argv)
+    return status if isinstance(status, int) else 0
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from .kernels import BACKENDS, KERNELS, resolve_kernel
+from .policy import POLICIES
 
 
 @dataclass(slots=True)
@@ -33,6 +34,12 @@ class PagedConfig:
             for more than a handful of requests.
         seed: seed of the sampling generator; ``None`` draws it from torch's global RNG, so
             ``torch.manual_seed`` makes sampled output reproducible as with ``generate``.
+        hybrid_kv: models that mix sliding-window and full-attention layers (Gemma 2/3, Cohere 2,
+            GPT-OSS, ...) give each attention group its own block tables, so sliding layers hold only
+            their window's blocks (``layers.py``); False keeps one table for every layer.
+        scheduling_policy: ``"fcfs"`` (first come, first served) or ``"priority"`` (lower
+            ``add_request(..., priority=)`` first, ties by arrival; the lowest priority is preempted
+            first). See ``policy.py``.
     """
 
     block_size: int | None = None
@@ -44,6 +51,8 @@ class PagedConfig:
     memory_fraction: float = 0.5
     progress_bar: bool | None = None
     seed: int | None = None
+    scheduling_policy: str = "fcfs"
+    hybrid_kv: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_batch_tokens"):
@@ -51,6 +60,12 @@ class PagedConfig:
         for name in ("block_size", "num_blocks"):
             if getattr(self, name) is not None:
                 _require_positive_int(name, getattr(self, name))
+        if not isinstance(self.hybrid_kv, bool):
+            raise ValueError(f"PagedConfig.hybrid_kv must be a bool, got {self.hybrid_kv!r}")
+        if self.scheduling_policy not in POLICIES:
+            raise ValueError(
+                f"PagedConfig.scheduling_policy must be one of {tuple(POLICIES)}, got {self.scheduling_policy!r}"
+            )
         if self.kernel not in KERNELS:
             raise ValueError(f"PagedConfig.kernel must be one of {KERNELS}, got {self.kernel!r}")
         if not isinstance(self.enable_prefix_caching, bool):
@@ -68,8 +83,10 @@ class PagedConfig:
 
     def for_model(self, model: torch.nn.Module) -> PagedConfig:
         """``resolved`` for ``model``: its device, dtype and whether its attention has sinks."""
+        from .placement import kernel_device  # placement needs the cache, which needs the kernels
+
         sinks = any(name.rsplit(".", 1)[-1] == "sinks" for name, _ in model.named_parameters())
-        return self.resolved(model.device, model.dtype, sinks)
+        return self.resolved(kernel_device(model), model.dtype, sinks)  # not model.device: "meta" when offloaded
 
     def replace(self, **changes: object) -> PagedConfig:
         """A copy with ``changes`` applied (and validated)."""

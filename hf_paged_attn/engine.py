@@ -1,29 +1,33 @@
-"""ContinuousBatchingEngine: schedule, build the batch, forward, sample, update requests, emit outputs."""
+"""ContinuousBatchingEngine: the loop. Each step: schedule -> build step -> forward -> commit ->
+sample -> update requests -> emit outputs."""
 
 from __future__ import annotations
 
-import itertools
-import sys
-import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
-from transformers import GenerationConfig, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
-from .batch import build_step
+from .batch_api import BatchAPI
 from .blocks import BlockAllocator, blocks_for
-from .cache import PagedAttentionCache, bytes_per_block, free_memory_bytes
+from .cache import PagedAttentionCache
 from .config import PagedConfig
+from .intake import Intake
 from .kernels import load_backend
+from .kv_manager import KVBlockManager
+from .layers import LayerKinds
+from .model_checks import check_model_supported
+from .placement import blocks_from_memory, input_device, layer_devices
+from .policy import POLICIES
 from .request import Request, RequestOutput, validate_prompt
-from .sampling import make_sampling_params, sample_tokens
+from .sampling import Sample, make_sampling_params, sample_tokens, should_stop
 from .scheduler import Scheduler, SchedulerOutput
-from .stats import EngineStats
-from .support import check_model_supported
+from .stats import EngineStats, StepCounters
+from .step import StepMetadata, build_step
 
 
-class ContinuousBatchingEngine:
+class ContinuousBatchingEngine(BatchAPI):
     """Serve many requests at once on a model loaded with ``attn_implementation="paged"``.
 
     ``add_request`` and ``abort`` may be called from any thread; the loop (``step``, ``stream``,
@@ -45,33 +49,27 @@ class ContinuousBatchingEngine:
             )
         check_model_supported(model)
         self.model = model
-        self.config = (config or PagedConfig()).for_model(model)  # the concrete kernel and block size
+        self.config = config = (config or PagedConfig()).for_model(model)  # the concrete kernel and block size
         self.generation_config = generation_config or model.generation_config
-        self.device = model.device
+        self.device = input_device(model)  # not model.device: with accelerate's offload that may be "meta"
         self.max_position_embeddings = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-        self.backend = load_backend(self.config.kernel, self.device)
-        check_block_size = getattr(self.backend, "check_block_size", None)
-        if check_block_size is not None:
-            check_block_size(self.config.block_size)
-        num_blocks = num_blocks or self.config.num_blocks or self._blocks_from_memory()
-        self.allocator = BlockAllocator(num_blocks, self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            self.allocator, self.config.block_size, self.config.max_num_seqs, self.config.max_batch_tokens
-        )
-        self.cache = PagedAttentionCache(model.config, num_blocks, self.config.block_size)
-        seed = self.config.seed if self.config.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        self.backend = load_backend(config.kernel, self.device)
+        one_device = len(set(layer_devices(model))) == 1  # groups share page tensors, so one device
+        self.layers = LayerKinds.from_config(model.config, share_pages=config.hybrid_kv and one_device)
+        slots = self.layers.num_slots if len(self.layers.groups) > 1 else None
+        if not (num_blocks := num_blocks or config.num_blocks):  # what fits, capped at what can be used
+            useful = config.max_num_seqs * blocks_for(self.max_position_embeddings or 4096, config.block_size)
+            fits = blocks_from_memory(model, config.block_size, config.memory_fraction, layers_per_block=slots)
+            num_blocks = max(1, min(fits, useful * len(self.layers.groups)))
+        self.allocator = BlockAllocator(num_blocks, config.enable_prefix_caching)
+        self.kv = KVBlockManager(self.allocator, config.block_size, self.layers, config.max_batch_tokens)
+        policy = POLICIES[config.scheduling_policy]
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_batch_tokens, policy)
+        self.cache = PagedAttentionCache(model.config, num_blocks, config.block_size, self.layers)
+        seed = config.seed if config.seed is not None else int(torch.randint(0, 2**62, ()).item())
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self._lock = threading.Lock()
-        self._incoming: list[Request] = []
-        self._to_abort: set[Request] = set()  # the requests themselves: an id may be reused
-        self._live: dict[str, Request] = {}
-        self._ids = itertools.count()
-        self._num_steps = 0
-        self._num_generated = 0
-        self._peak_used = 0
-        self._busy_seconds = 0.0
-        self._forward_seconds = 0.0
-        self._waste_at_peak = 0.0
+        self.intake = Intake()
+        self.counters = StepCounters()
 
     # ----------------------------------------------------------------------------- requests in
     def add_request(
@@ -81,100 +79,74 @@ class ContinuousBatchingEngine:
         generation_config: GenerationConfig | None = None,
         request_id: str | None = None,
         logits_processor: LogitsProcessorList | None = None,
+        priority: int = 0,
+        logprobs: int | None = None,
+        seed: int | None = None,
+        tokenizer: object | None = None,
+        stopping_criteria: StoppingCriteriaList | None = None,
     ) -> str:
-        """Queue one prompt; returns its request id. Bad input raises ValueError and queues nothing."""
-        prompt = validate_prompt(
-            input_ids, self.model.config.get_text_config().vocab_size, self.max_position_embeddings
-        )
-        config = generation_config or self.generation_config
+        """Queue one prompt; returns its request id. Bad input raises ValueError and queues nothing.
+
+        ``priority``: lower runs first under ``scheduling_policy="priority"``. ``logprobs=k``: record
+        each new token's log-probability and its ``k`` best alternatives. ``seed``: the request's own
+        sampling generator. ``tokenizer``: needed by ``generation_config.stop_strings``.
+        """
+        text_config = self.model.config.get_text_config()
+        prompt = validate_prompt(input_ids, text_config.vocab_size, self.max_position_embeddings)
+        # As in generate: what the caller's config leaves unset (eos, pad, ...) comes from the model's.
+        config = self.generation_config
+        if generation_config is not None:
+            config = self.model._prepare_generation_config(generation_config)[0]
         if max_new_tokens is None:
             max_new_tokens = config.max_new_tokens
             if max_new_tokens is None:
                 max_new_tokens = max(config.max_length - len(prompt), 0) if config.max_length else 20
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-        sampling = make_sampling_params(self.model, config, len(prompt), logits_processor)
-        request = Request(
-            request_id="",
-            prompt_ids=prompt,
-            max_new_tokens=max_new_tokens,
-            sampling=sampling,
-            arrival=0,
-            num_children=max(int(config.num_return_sequences or 1) - 1, 0),
-        )
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an int, got {priority!r}")
+        sampling = make_sampling_params(
+            self.model, config, len(prompt), logits_processor,
+            stopping_criteria=stopping_criteria, tokenizer=tokenizer, seed=seed, logprobs=logprobs,
+        )  # fmt: skip
+        request = Request("", prompt, max_new_tokens, sampling, arrival=0, priority=priority)
         if not self.scheduler.can_ever_fit(request):
             need = blocks_for(request.max_total_tokens - 1, self.config.block_size)
             raise ValueError(
                 f"prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens} needs {need} blocks of "
                 f"{self.config.block_size} tokens; the whole cache has {self.allocator.num_blocks}"
             )
-        with self._lock:
-            if request_id is None:
-                request_id = f"req-{next(self._ids)}"
-                while request_id in self._live:
-                    request_id = f"req-{next(self._ids)}"
-            elif request_id in self._live:
-                raise ValueError(f"request_id {request_id!r} is already in use")
-            request.request_id = request_id
-            request.arrival = next(self._ids)
-            self._live[request_id] = request
-            self._incoming.append(request)
-        return request_id
+        return self.intake.add(request, request_id, num_siblings=max(int(config.num_return_sequences or 1) - 1, 0))
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its blocks are freed at the next step, which emits its final output
         (reason ``"abort"``). Returns False if it had already finished; unknown ids raise ValueError."""
-        with self._lock:
-            request = self._live.get(request_id)
-            if request is None:
-                raise ValueError(f"unknown request_id {request_id!r} (never added, or already finished)")
-            if request.finished:
-                return False
-            self._to_abort.add(request)
-            return True
+        return self.intake.abort(request_id)
 
     # ----------------------------------------------------------------------------- the loop
     def has_unfinished(self) -> bool:
-        with self._lock:
-            return bool(self._incoming or self.scheduler.has_work)
+        return bool(self.intake.num_incoming or self.scheduler.has_work)
 
     def step(self) -> list[RequestOutput]:
         """One scheduler iteration: returns the requests that produced tokens or finished."""
         start = time.perf_counter()
-        outputs = self._drain_incoming()
+        outputs = self._take_intake()
         plan = self.scheduler.schedule()
         if plan.scheduled:
             outputs += self._run(plan)
-        self._track_peak()
-        self._busy_seconds += time.perf_counter() - start
+        self.counters.track_peak(self.allocator.num_used_blocks, lambda: self.kv.kv_waste(self.scheduler.running))
+        self.counters.busy_seconds += time.perf_counter() - start
         return outputs
 
-    def _track_peak(self) -> None:
-        used = self.allocator.num_used_blocks
-        if used > self._peak_used:
-            self._peak_used = used
-            size = self.config.block_size
-            filled: dict[int, int] = {}  # per distinct block: shared blocks count once
-            for r in self.scheduler.running:
-                for i, block in enumerate(r.block_ids):
-                    if block < 0:  # freed: out of its sliding window
-                        continue
-                    filled[block] = max(filled.get(block, 0), min(size, r.num_computed_tokens - i * size))
-            self._waste_at_peak = 1.0 - sum(max(f, 0) for f in filled.values()) / (used * size)
-
-    def _drain_incoming(self) -> list[RequestOutput]:
+    def _take_intake(self) -> list[RequestOutput]:
         """Move new requests to the scheduler and carry out aborts; returns the aborted outputs."""
-        with self._lock:
-            incoming, self._incoming = self._incoming, []
-            to_abort, self._to_abort = self._to_abort, set()
+        incoming, to_abort = self.intake.take()
         for request in incoming:
             self.scheduler.add(request)
         outputs = []
         for request in to_abort:
             if not request.finished:
-                self.scheduler.remove(request)
-                request.finish("abort")
-                outputs.append(self._emit(request))
+                outputs += self._finish(request, "abort")
         return outputs
 
     @torch.inference_mode()
@@ -182,52 +154,26 @@ class ContinuousBatchingEngine:
         forward_start = time.perf_counter()
         try:
             self.cache.copy_blocks(plan.block_copies)
-            meta = build_step(plan.scheduled, self.config.block_size, self.device, window=self.scheduler.window)
+            meta = build_step(plan.scheduled, self.config.block_size, self.device, self.layers)
             meta.backend = self.backend
             logits = self._forward(meta)
         except Exception as exc:  # one failing step must not take the engine down
-            return self._fail([s.request for s in plan.scheduled], exc)
-        self._num_steps += 1
-        self._forward_seconds += time.perf_counter() - forward_start
-        if self._num_steps == 1:  # every layer has now attended once: does one window fit them all?
-            self.scheduler.window = self.cache.uniform_window()
-        self.scheduler.commit(plan.scheduled)
+            return [out for s in plan.scheduled for out in self._finish(s.request, "error", exc)]
+        self.counters.num_steps += 1
+        self.counters.forward_seconds += time.perf_counter() - forward_start
+        if not self.layers.observed:  # every layer has now attended once: the windows they really use
+            self.layers.observe(self.cache.observed_windows())
+        for s in plan.scheduled:
+            self.kv.commit(s.request, s.num_new_tokens)
         sampled = [s.request for s in plan.scheduled if s.request.num_computed_tokens == s.request.num_tokens]
-        if not sampled:
-            return []
-        tokens, outputs = self._sample(logits, sampled)
-        for request, token, row in zip(sampled, tokens, range(len(sampled))):
-            if token is None:
-                continue
-            children = self._fork(request, logits[row : row + 1]) if request.num_children else []
-            for r, t in [(request, token), *children]:
-                if isinstance(t, Exception):  # that child's sampling raised: it fails alone
-                    outputs += self._fail([r], t)
-                    continue
-                self._append(r, t)
-                outputs.append(self._emit(r) if r.finished else r.take_output())
+        outputs = []
+        for row, (request, sample) in enumerate(zip(sampled, self._sample(logits, sampled))):
+            siblings = self._fork(request, logits[row : row + 1]) if request.children else []
+            for r, s in [(request, sample), *siblings]:
+                outputs += self._update(r, s, logits[row : row + 1])
         return outputs
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int | None], list[RequestOutput]]:
-        """Tokens for ``requests``; a request whose sampling raises (e.g. a custom logits
-        processor) fails alone, with its token None, and the others go on."""
-        recorded = [(r.scores, r.logits) for r in requests]
-        try:
-            return sample_tokens(logits, requests, self.generator), []
-        except Exception:  # undo what the rows before the failing one recorded; retry row by row
-            for request, (scores, raw) in zip(requests, recorded):
-                request.scores, request.logits = scores, raw
-        tokens: list[int | None] = []
-        failed: list[RequestOutput] = []
-        for row, request in enumerate(requests):
-            try:
-                tokens += sample_tokens(logits[row : row + 1], [request], self.generator)
-            except Exception as exc:
-                tokens.append(None)
-                failed += self._fail([request], exc)
-        return tokens, failed
-
-    def _forward(self, meta) -> torch.Tensor:
+    def _forward(self, meta: StepMetadata) -> torch.Tensor:
         """Logits of the sampled rows only: [num_sampled, vocab] float32."""
         with self.cache.step(meta):
             out = self.model(
@@ -243,61 +189,64 @@ class ContinuousBatchingEngine:
             logits = logits[meta.logits_indices]
         return logits.float()
 
-    def _fork(self, parent: Request, logits: torch.Tensor) -> list[tuple[Request, int | Exception]]:
-        """num_return_sequences: children share the parent's blocks (copy-on-write) and draw their
-        own first token from the same logits (or carry the exception their sampling raised)."""
-        children = []
-        for i in range(1, parent.num_children + 1):
-            child = Request(
-                request_id=f"{parent.request_id}#{i}",
-                prompt_ids=parent.prompt_ids,
-                max_new_tokens=parent.max_new_tokens,
-                sampling=parent.sampling,
-                arrival=parent.arrival,
-                num_computed_tokens=parent.num_computed_tokens,
-                block_ids=self.allocator.fork(parent.block_ids),
-                scores=list(parent.scores or []) or None,
-                logits=list(parent.logits or []) or None,
-            )
-            if parent.scores:  # the parent already recorded this step's scores; the child redoes its own
-                child.scores = child.scores[:-1] or None
-            if parent.logits:
-                child.logits = child.logits[:-1] or None
-            self._live[child.request_id] = child
-            self.scheduler.add_running(child)
-            try:
-                (token,) = sample_tokens(logits, [child], self.generator)
-            except Exception as exc:
-                children.append((child, exc))
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[Sample | Exception]:
+        """One sample per request; a request whose sampling raises (e.g. a custom logits processor)
+        gets the exception instead, and the others are sampled row by row."""
+        try:
+            return sample_tokens(logits, requests, self.generator)
+        except Exception:
+            return [self._sample_one(logits[row : row + 1], r) for row, r in enumerate(requests)]
+
+    def _sample_one(self, logits: torch.Tensor, request: Request) -> Sample | Exception:
+        try:
+            return sample_tokens(logits, [request], self.generator)[0]
+        except Exception as exc:
+            return exc
+
+    def _fork(self, parent: Request, logits: torch.Tensor) -> list[tuple[Request, Sample | Exception]]:
+        """num_return_sequences: siblings share the parent's blocks (copy on write) and draw their
+        own first token from the same logits."""
+        forked = []
+        for child in parent.children:
+            if child.finished:  # aborted before its parent's prompt was computed
                 continue
-            children.append((child, token))
-        parent.num_children = 0
-        return children
+            self.kv.fork(parent, child)
+            self.scheduler.add_running(child)
+            forked.append((child, self._sample_one(logits, child)))
+        parent.children = []
+        return forked
 
-    def _append(self, request: Request, token: int) -> None:
-        request.output_ids.append(token)
-        request.new_ids.append(token)
-        self._num_generated += 1
-        if token in request.sampling.eos_token_ids:
-            request.finish("eos")
-        elif len(request.output_ids) >= request.max_new_tokens:
-            request.finish("length")
-        if request.finished:
-            self.scheduler.remove(request)
+    def _update(self, request: Request, sample: Sample | Exception, logits: torch.Tensor) -> list[RequestOutput]:
+        """Record ``sample`` on ``request``, finish it if it should stop; its output of this step."""
+        if isinstance(sample, Exception):
+            return self._finish(request, "error", sample)
+        request.append(sample.token, sample.scores, sample.logits, sample.logprob)
+        self.counters.num_generated_tokens += 1
+        try:
+            stop = should_stop(request, logits)
+        except Exception as exc:  # a caller's stopping criterion raised: that request fails alone
+            return self._finish(request, "error", exc)
+        if sample.token in request.sampling.eos_token_ids:
+            return self._finish(request, "eos")
+        if stop:
+            return self._finish(request, "stop")
+        if len(request.output_ids) >= request.max_new_tokens:
+            return self._finish(request, "length")
+        return [request.take_output()]
 
-    def _fail(self, requests: Iterable[Request], exc: Exception) -> list[RequestOutput]:
-        message = f"{type(exc).__name__}: {exc}"
+    def _finish(self, request: Request, reason: str, exc: Exception | None = None) -> list[RequestOutput]:
+        """Finish ``request`` (and the siblings it has yet to fork), free its blocks, emit its final output."""
         outputs = []
-        for request in requests:
-            self.scheduler.remove(request)
-            request.finish("error", message)
-            outputs.append(self._emit(request))
+        for r in [request, *request.children]:
+            r.finish(reason, f"{type(exc).__name__}: {exc}" if exc is not None else None)
+            self.scheduler.remove(r)
+            outputs.append(self._emit(r))
+        request.children = []
         return outputs
 
     def _emit(self, request: Request) -> RequestOutput:
         """Final output of a finished request; the engine forgets it."""
-        with self._lock:
-            self._live.pop(request.request_id, None)
+        self.intake.forget(request)
         return request.take_output()
 
     # ----------------------------------------------------------------------------- conveniences
@@ -306,75 +255,6 @@ class ContinuousBatchingEngine:
         while self.has_unfinished():
             yield from self.step()
 
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int] | torch.Tensor],
-        max_new_tokens: int | Sequence[int] | None = None,
-        generation_config: GenerationConfig | None = None,
-        progress_bar: bool | None = None,
-    ) -> list[RequestOutput]:
-        """Ragged prompts in, final outputs in input order (``num_return_sequences`` outputs per prompt)."""
-        if isinstance(max_new_tokens, Sequence):
-            if len(max_new_tokens) != len(prompts):
-                raise ValueError(f"got {len(max_new_tokens)} max_new_tokens for {len(prompts)} prompts")
-            limits = list(max_new_tokens)
-        else:
-            limits = [max_new_tokens] * len(prompts)
-        ids: list[str] = []
-        try:
-            for p, n in zip(prompts, limits):
-                ids.append(self.add_request(p, n, generation_config))
-        except Exception:  # refuse the whole batch: withdraw the prompts already queued
-            with self._lock:
-                self._incoming = [r for r in self._incoming if r.request_id not in ids]
-                for rid in ids:
-                    self._live.pop(rid, None)
-            raise
-        finals: dict[str, RequestOutput] = {}
-        total = len(ids) * int((generation_config or self.generation_config).num_return_sequences or 1)
-        with self._progress(total, progress_bar) as bar:
-            for output in self.stream():
-                if output.finished:
-                    finals[output.request_id] = output
-                    bar.update(1)
-        ordered = []
-        for rid in ids:
-            family = [k for k in finals if k == rid or k.startswith(rid + "#")]
-            ordered += [finals[k] for k in sorted(family, key=lambda k: int(k.partition("#")[2] or 0))]
-        return ordered
-
-    def _progress(self, total: int, flag: bool | None):
-        from tqdm.auto import tqdm
-
-        show = flag if flag is not None else self.config.progress_bar
-        if show is None:
-            show = total > 8 and sys.stderr.isatty()
-        return tqdm(total=total, disable=not show, desc="paged generate", unit="req")
-
-    def _blocks_from_memory(self) -> int:
-        dtype = next(self.model.parameters()).dtype
-        per_block = bytes_per_block(self.model.config, self.config.block_size, dtype)
-        budget = int(free_memory_bytes(self.device) * self.config.memory_fraction) // per_block
-        # More blocks than max_num_seqs full-length sequences can never be used.
-        max_len = self.max_position_embeddings or 4096
-        useful = self.config.max_num_seqs * blocks_for(max_len, self.config.block_size)
-        return max(1, min(budget, useful))
-
     @property
     def stats(self) -> EngineStats:
-        return EngineStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting) + len(self._incoming),
-            num_blocks=self.allocator.num_blocks,
-            num_free_blocks=self.allocator.num_free_blocks,
-            peak_used_blocks=self._peak_used,
-            num_preemptions=self.scheduler.num_preemptions,
-            num_steps=self._num_steps,
-            num_generated_tokens=self._num_generated,
-            tokens_per_second=self._num_generated / self._busy_seconds if self._busy_seconds else 0.0,
-            busy_seconds=self._busy_seconds,
-            forward_seconds=self._forward_seconds,
-            kv_waste_at_peak=self._waste_at_peak,
-            num_prompt_tokens=self.scheduler.num_prompt_tokens,
-            num_cached_tokens=self.scheduler.num_cached_tokens,
-        )
+        return self.counters.snapshot(self.scheduler, self.kv, self.intake.num_incoming)

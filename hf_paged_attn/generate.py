@@ -5,16 +5,17 @@
 from __future__ import annotations
 
 import torch
-from transformers import GenerationConfig, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .blocks import blocks_for
 from .config import PagedConfig
 from .engine import ContinuousBatchingEngine
+from .kv_manager import blocks_at_peak
+from .layers import LayerKinds
+from .placement import input_device
 from .request import RequestOutput
 
 _REFUSED = {  # generate() arguments with no meaning here, refused by name rather than ignored
-    "stopping_criteria": "custom stopping criteria",
     "prefix_allowed_tokens_fn": "prefix_allowed_tokens_fn",
     "assistant_model": "assisted decoding (assistant_model)",
     "negative_prompt_ids": "negative prompts (classifier-free guidance)",
@@ -29,8 +30,10 @@ def paged_generate(
     inputs: torch.Tensor | None = None,
     generation_config: GenerationConfig | None = None,
     logits_processor: LogitsProcessorList | None = None,
+    stopping_criteria: StoppingCriteriaList | None = None,
     streamer=None,
     paged_config: PagedConfig | None = None,
+    tokenizer=None,
     **kwargs,
 ) -> torch.Tensor | GenerateDecoderOnlyOutput:
     """Continuous-batching ``generate``: rows of the padded batch become requests."""
@@ -55,8 +58,12 @@ def paged_generate(
             raise NotImplementedError(f"{name}= is not supported: the paged engine builds its own cache")
     if model_kwargs:
         raise NotImplementedError(f"model inputs {sorted(model_kwargs)} are not supported by the paged engine")
-    if streamer is not None and input_ids.shape[0] != 1:
-        raise NotImplementedError("streamer= works with batch size 1 only (as in transformers)")
+    num_sequences = int(config.num_return_sequences or 1)
+    if streamer is not None and input_ids.shape[0] * num_sequences != 1:
+        raise ValueError(
+            "streamer= works with one sequence only, as in transformers' generate: got a batch of "
+            f"{input_ids.shape[0]} with num_return_sequences={num_sequences}"
+        )
 
     config = model._prepare_generated_length(
         generation_config=config,
@@ -66,7 +73,7 @@ def paged_generate(
         inputs_tensor=input_ids,
         input_ids_length=input_ids.shape[1],
     )
-    model._prepare_special_tokens(config, attention_mask is not None, device=model.device)
+    model._prepare_special_tokens(config, attention_mask is not None, device=input_device(model))
     max_new_tokens = config.max_length - input_ids.shape[1]
     if max_new_tokens <= 0:
         raise ValueError(
@@ -76,27 +83,27 @@ def paged_generate(
     prompts = _unpad(input_ids, attention_mask)
     paged_config = paged_config or getattr(model, "paged_config", None) or PagedConfig()
     paged_config = paged_config.for_model(model)  # the engine's kernel and block size
-    num_sequences = int(config.num_return_sequences or 1)
-    exact_fit = sum(blocks_for(len(p) + max_new_tokens, paged_config.block_size) for p in prompts) * num_sequences
+    groups = LayerKinds.from_config(model.config, paged_config.hybrid_kv).groups
+    size, budget = paged_config.block_size, paged_config.max_batch_tokens
+    exact_fit = sum(blocks_at_peak(len(p) + max_new_tokens, size, groups, budget) for p in prompts) * num_sequences
     engine = ContinuousBatchingEngine(
         model, paged_config, config, num_blocks=paged_config.num_blocks or exact_fit
     )
-    ids = [engine.add_request(p, max_new_tokens, config, logits_processor=logits_processor) for p in prompts]
+    common = dict(max_new_tokens=max_new_tokens, generation_config=config, logits_processor=logits_processor,
+                  stopping_criteria=stopping_criteria, tokenizer=tokenizer)  # fmt: skip
+    ids = engine.add_all([dict(input_ids=p, **common) for p in prompts])
     if streamer is not None:
         streamer.put(input_ids.cpu())
-    finals: dict[str, RequestOutput] = {}
-    with engine._progress(len(ids) * num_sequences, None) as bar:
-        for out in engine.stream():
-            if streamer is not None and out.new_ids:
-                streamer.put(torch.tensor(out.new_ids))
-            if out.finished:
-                if out.finish_reason == "error":
-                    raise RuntimeError(f"request {out.request_id} failed: {out.error}")
-                finals[out.request_id] = out
-                bar.update(1)
+
+    def on_output(out: RequestOutput) -> None:
+        if out.finish_reason == "error":
+            raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+        if streamer is not None and out.new_ids:
+            streamer.put(torch.tensor(out.new_ids))
+
+    ordered = engine.collect(ids, on_output=on_output)
     if streamer is not None:
         streamer.end()
-    ordered = [finals[rid if i == 0 else f"{rid}#{i}"] for rid in ids for i in range(num_sequences)]
     return _pack(model, config, input_ids.repeat_interleave(num_sequences, dim=0), ordered)
 
 

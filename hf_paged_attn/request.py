@@ -15,6 +15,17 @@ class Status(enum.Enum):
 
 
 @dataclass(slots=True)
+class TokenLogprob:
+    """One generated token's log-probability under the processed distribution (after temperature,
+    top-k/top-p and the other logits processors, as vLLM reports by default), and the ``k`` most
+    likely alternatives there, best first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class RequestOutput:
     """What a request has produced so far; ``finished`` is set on its last output."""
 
@@ -28,6 +39,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     scores: list[Any] | None = None  # per new token: processed scores [vocab] (generate's `scores`)
     logits: list[Any] | None = None  # per new token: raw logits [vocab] (generate's `logits`)
+    logprobs: list[TokenLogprob] | None = None  # per new token, when the request asked for them
+    parent_id: str | None = None  # num_return_sequences: the request this sequence was forked from
+    index: int = 0  # its place among the parent's sequences (the parent is 0)
 
 
 @dataclass(slots=True, eq=False)
@@ -43,19 +57,29 @@ class Request:
     prompt_ids: list[int]
     max_new_tokens: int
     sampling: Any  # sampling.SamplingParams, kept opaque so the scheduler stays torch-free
-    arrival: int
+    arrival: int  # order of arrival: the scheduling policy's tie-break
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # the block table of attention group 0
+    extra_block_ids: list[list[int]] = field(default_factory=list)  # those of groups 1, 2, ... (hybrid models)
     finish_reason: str | None = None
     error: str | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
-    num_children: int = 0  # extra sequences to fork after the prompt's first sample
+    priority: int = 0  # the "priority" policy runs lower values first
+    parent_id: str | None = None  # set on a forked sequence (num_return_sequences)
+    index: int = 0  # 0 for the parent, k for its k-th forked sibling
+    children: list[Request] = field(default_factory=list)  # forked after the prompt's first sample
     new_ids: list[int] = field(default_factory=list)
     scores: list[Any] | None = None
     logits: list[Any] | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+    @property
+    def block_tables(self) -> list[list[int]]:
+        """One block table per attention group (the lists themselves, for the KV manager to edit)."""
+        return [self.block_ids, *self.extra_block_ids]
 
     @property
     def all_ids(self) -> list[int]:
@@ -78,6 +102,16 @@ class Request:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
+    def append(self, token: int, scores: Any = None, logits: Any = None, logprob: TokenLogprob | None = None) -> None:
+        """A new token, with what the request records along with it (None: nothing to record)."""
+        self.output_ids.append(token)
+        self.new_ids.append(token)
+        for name, value in (("scores", scores), ("logits", logits), ("logprobs", logprob)):
+            if value is not None:
+                if getattr(self, name) is None:
+                    setattr(self, name, [])
+                getattr(self, name).append(value)
+
     def finish(self, reason: str, error: str | None = None) -> None:
         self.status = Status.FINISHED
         self.finish_reason = reason
@@ -96,9 +130,25 @@ class Request:
             num_cached_tokens=self.num_cached_tokens,
             scores=self.scores,
             logits=self.logits,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            parent_id=self.parent_id,
+            index=self.index,
         )
         self.new_ids = []
         return out
+
+    def fork(self, index: int) -> Request:
+        """A sibling sequence that will share this request's blocks once its prompt is computed."""
+        return Request(
+            request_id=f"{self.request_id}#{index}",
+            prompt_ids=self.prompt_ids,
+            max_new_tokens=self.max_new_tokens,
+            sampling=self.sampling,
+            arrival=self.arrival,
+            priority=self.priority,
+            parent_id=self.request_id,
+            index=index,
+        )
 
 
 def validate_prompt(

@@ -1,8 +1,14 @@
-"""What the engine reports about itself (``engine.stats``)."""
+"""What the engine reports about itself (``engine.stats``), and the counters behind it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .kv_manager import KVBlockManager
+    from .scheduler import Scheduler
 
 
 @dataclass(slots=True)
@@ -26,6 +32,39 @@ class EngineStats:
     def prefix_hit_rate(self) -> float:
         return self.num_cached_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
 
-    @property
-    def cache_usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks
+
+@dataclass(slots=True)
+class StepCounters:
+    """Running totals the engine adds to as it steps."""
+
+    num_steps: int = 0
+    num_generated_tokens: int = 0
+    busy_seconds: float = 0.0
+    forward_seconds: float = 0.0
+    peak_used_blocks: int = 0
+    kv_waste_at_peak: float = 0.0
+
+    def track_peak(self, num_used_blocks: int, waste: Callable[[], float]) -> None:
+        """A new peak of blocks in use: record it and how much of it is unfilled (``waste()``,
+        computed only then: it walks every block table)."""
+        if num_used_blocks > self.peak_used_blocks:
+            self.peak_used_blocks = num_used_blocks
+            self.kv_waste_at_peak = waste()
+
+    def snapshot(self, scheduler: Scheduler, kv: KVBlockManager, num_incoming: int) -> EngineStats:
+        return EngineStats(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting) + num_incoming,
+            num_blocks=kv.allocator.num_blocks,
+            num_free_blocks=kv.allocator.num_free_blocks,
+            peak_used_blocks=self.peak_used_blocks,
+            num_preemptions=scheduler.num_preemptions,
+            num_steps=self.num_steps,
+            num_generated_tokens=self.num_generated_tokens,
+            tokens_per_second=self.num_generated_tokens / self.busy_seconds if self.busy_seconds else 0.0,
+            busy_seconds=self.busy_seconds,
+            forward_seconds=self.forward_seconds,
+            kv_waste_at_peak=self.kv_waste_at_peak,
+            num_prompt_tokens=kv.num_prompt_tokens,
+            num_cached_tokens=kv.num_cached_tokens,
+        )

@@ -108,7 +108,7 @@ def test_num_return_sequences_share_prompt_blocks(llama_pair):
     rid = engine.add_request(prompt, generation_config=config)
     outs = engine.step()
     assert sorted(o.request_id for o in outs) == sorted([rid, f"{rid}#1", f"{rid}#2", f"{rid}#3"])
-    family = [engine._live[o.request_id] for o in outs]
+    family = [engine.intake.live[o.request_id] for o in outs]
     full_blocks = family[0].block_ids[:2]
     assert all(r.block_ids[:2] == full_blocks for r in family)
     assert all(engine.allocator.ref_count(b) == 4 for b in full_blocks)
@@ -170,19 +170,45 @@ def test_requests_added_from_threads_while_streaming(llama_pair):
         (torch.tensor([True, False]), {}, "dtype"),
         ([1, 2], {"request_id": "taken"}, "already in use"),
         ([1, 2], {"generation_config": GenerationConfig(num_beams=2)}, "beam_search"),
-        ([1, 2], {"generation_config": GenerationConfig(stop_strings=["x"])}, "stop_strings"),
+        ([1, 2], {"generation_config": GenerationConfig(stop_strings=["x"])}, "needs the tokenizer"),
+        ([1, 2], {"logprobs": -1}, "logprobs"),
+        ([1, 2], {"priority": 1.5}, "priority"),
+        ([1, 2], {"seed": "s"}, "seed"),
     ],
 )
 def test_bad_input_raises_and_engine_keeps_serving(llama_pair, prompt, kwargs, message):
     ref, paged = llama_pair
     engine = ContinuousBatchingEngine(paged, PagedConfig(block_size=4, num_blocks=32))
     good = engine.add_request([3, 4, 5], max_new_tokens=5, request_id="taken")
-    error = NotImplementedError if "generation_config" in kwargs else ValueError
+    error = NotImplementedError if "num_beams" in str(kwargs) else ValueError
     with pytest.raises(error, match=message):
         engine.add_request(prompt, **kwargs)
     outs = [o for o in engine.stream() if o.finished]
     assert [o.request_id for o in outs] == [good]
     assert outs[0].output_ids == reference_greedy(ref, [3, 4, 5], 5)
+
+
+def test_a_forked_sequence_id_is_reserved_when_its_parent_is_added(llama_pair):
+    """Request "a" with num_return_sequences=2 will fork "a#1": nobody else may take that id."""
+    _, paged = llama_pair
+    engine = ContinuousBatchingEngine(paged, PagedConfig(block_size=4, num_blocks=32, seed=0))
+    config = GenerationConfig(do_sample=True, num_return_sequences=2)
+    engine.add_request([1, 2, 3], max_new_tokens=3, generation_config=config, request_id="a")
+    with pytest.raises(ValueError, match="'a#1' is already in use"):
+        engine.add_request([4, 5], max_new_tokens=3, request_id="a#1")
+    engine.add_request([4, 5], max_new_tokens=3, request_id="b#1")
+    with pytest.raises(ValueError, match="forked sequence 'b#1'"):  # and the other way round
+        engine.add_request([1, 2], max_new_tokens=3, generation_config=config, request_id="b")
+    finals = [o for o in engine.stream() if o.finished]
+    assert sorted((o.request_id, o.parent_id, o.index) for o in finals) == [
+        ("a", None, 0), ("a#1", "a", 1), ("b#1", None, 0)
+    ]
+
+
+def test_automatic_ids_count_one_by_one(llama_pair):
+    _, paged = llama_pair
+    engine = ContinuousBatchingEngine(paged, PagedConfig(block_size=4, num_blocks=32))
+    assert [engine.add_request([1, 2], max_new_tokens=1) for _ in range(3)] == ["req-0", "req-1", "req-2"]
 
 
 def test_duplicate_request_id(llama_pair):

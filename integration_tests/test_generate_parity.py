@@ -158,7 +158,7 @@ def test_return_dict_with_scores(llama_pair, batch):
     [
         (dict(num_beams=2), "beam_search"),
         (dict(penalty_alpha=0.6, top_k=4), "contrastive_search"),
-        (dict(stop_strings=["x"]), "stop_strings"),
+        (dict(dola_layers="low"), "dola"),
     ],
 )
 def test_unsupported_options_are_refused(llama_pair, kwargs, name):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from transformers import BertConfig, BertLMHeadModel
 
-from hf_paged_attn import PagedConfig, support
+from hf_paged_attn import PagedConfig, model_checks
 from hf_paged_attn.devtools.compat import candidates, check_model
 
 PASSING = {
@@ -63,7 +63,7 @@ def test_unknown_incompatibility_is_caught_at_the_first_step(monkeypatch):
     # Without its entry in KNOWN_UNSUPPORTED, DiffLlama (which splits and repeats V after
     # cache.update) passes every up-front check; the per-call guard must refuse it at its first
     # step instead of letting the decode kernel read other values than the model's.
-    monkeypatch.delitem(support.KNOWN_UNSUPPORTED, "diffllama")
+    monkeypatch.delitem(model_checks.KNOWN_UNSUPPORTED, "diffllama")
     result = check_model("diffllama", timeout=120)
     assert result.result == "refused", result.note
     assert result.note.startswith("at the first step: DiffLlamaAttention (model_type 'diffllama')")
@@ -73,9 +73,10 @@ def test_unknown_incompatibility_is_caught_at_the_first_step(monkeypatch):
 def test_bidirectional_attention_is_refused():
     # BERT as a causal LM needs is_decoder=True; without it its self-attention sees later tokens.
     sizes = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
-    with pytest.raises(support.UnsupportedModelError, match=r"BertLMHeadModel .*BertSelfAttention is bidirectional"):
-        support.check_model_supported(BertLMHeadModel(BertConfig(**sizes)))
-    support.check_model_supported(BertLMHeadModel(BertConfig(**sizes, is_decoder=True)))
+    bidirectional = r"BertLMHeadModel .*BertSelfAttention is bidirectional"
+    with pytest.raises(model_checks.UnsupportedModelError, match=bidirectional):
+        model_checks.check_model_supported(BertLMHeadModel(BertConfig(**sizes)))
+    model_checks.check_model_supported(BertLMHeadModel(BertConfig(**sizes, is_decoder=True)))
 
 
 @pytest.mark.slow
@@ -117,7 +118,7 @@ def test_sliding_window_model_keeps_bounded_blocks(sliding_pair):
     prompt = list(range(10, 22))
     engine = ContinuousBatchingEngine(paged, PagedConfig(block_size=4, num_blocks=64, enable_prefix_caching=False))
     (out,) = engine.generate([prompt], max_new_tokens=32)
-    assert engine.scheduler.window == 8
+    assert engine.layers.uniform_window == 8
     assert engine.stats.peak_used_blocks <= 8 // 4 + 2 + 1  # + the prompt's blocks before the first release
     assert out.output_ids == sdpa_greedy(ref, prompt, 32)
     assert engine.allocator.num_used_blocks == 0

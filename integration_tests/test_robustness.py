@@ -40,7 +40,7 @@ def finals_of(engine: ContinuousBatchingEngine) -> dict[str, RequestOutput]:
 def assert_no_leak(engine: ContinuousBatchingEngine) -> None:
     engine.allocator.check_invariants()
     assert engine.allocator.num_used_blocks == 0, f"{engine.allocator.num_used_blocks} blocks leaked"
-    assert not engine.has_unfinished() and not engine._live
+    assert not engine.has_unfinished() and not engine.intake.live
 
 
 # ------------------------------------------------------------------------------------------- abort
@@ -115,6 +115,14 @@ def test_abort_of_forked_children_and_parent(llama_pair):
 
 
 # ---------------------------------------------------------------------------- unsupported options
+def test_stop_strings_without_a_tokenizer_queue_nothing(llama_pair):
+    ref, paged = llama_pair
+    engine = ContinuousBatchingEngine(paged, PagedConfig(block_size=4, num_blocks=32))
+    with pytest.raises(ValueError, match="stop_strings=.* needs the tokenizer"):
+        engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=3, generation_config=GenerationConfig(stop_strings=["x"]))
+    assert not engine.has_unfinished() and not engine.intake.live
+
+
 @pytest.mark.parametrize(
     "options, name",
     [
@@ -124,7 +132,6 @@ def test_abort_of_forked_children_and_parent(llama_pair):
         (dict(dola_layers="high"), "dola"),
         (dict(prompt_lookup_num_tokens=3), "assisted"),
         (dict(force_words_ids=[[5, 6]], num_beams=2), "constrained"),
-        (dict(stop_strings=["x"]), "stop_strings"),
         (dict(guidance_scale=1.5), "guidance_scale"),
         (dict(encoder_repetition_penalty=1.3), "encoder_repetition_penalty"),
     ],
@@ -134,10 +141,10 @@ def test_unsupported_generation_option_at_add_request_queues_nothing(llama_pair,
     engine = ContinuousBatchingEngine(paged, PagedConfig(block_size=4, num_blocks=32))
     with pytest.raises(NotImplementedError, match=name):
         engine.add_request([1, 2, 3], max_new_tokens=3, generation_config=GenerationConfig(**options))
-    assert not engine.has_unfinished() and not engine._live and engine.stats.num_waiting == 0
+    assert not engine.has_unfinished() and not engine.intake.live and engine.stats.num_waiting == 0
     with pytest.raises(NotImplementedError, match=name):  # engine.generate: refused before any step
         engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=3, generation_config=GenerationConfig(**options))
-    assert not engine.has_unfinished() and not engine._live
+    assert not engine.has_unfinished() and not engine.intake.live
     good = engine.add_request([3, 4, 5], max_new_tokens=4)
     assert finals_of(engine)[good].output_ids == reference_greedy(ref, [3, 4, 5], 4)
     assert_no_leak(engine)
@@ -150,7 +157,7 @@ def test_engine_generate_with_one_bad_prompt_queues_none_of_them(llama_pair):
     engine = ContinuousBatchingEngine(paged, PagedConfig(block_size=4, num_blocks=32))
     with pytest.raises(ValueError, match="empty"):
         engine.generate([[1, 2, 3], [4, 5], []], max_new_tokens=3)
-    assert not engine.has_unfinished() and not engine._live, "prompts before the bad one stayed queued"
+    assert not engine.has_unfinished() and not engine.intake.live, "prompts before the bad one stayed queued"
     (out,) = engine.generate([[6, 7]], max_new_tokens=3)
     assert out.output_ids == reference_greedy(ref, [6, 7], 3)
     assert_no_leak(engine)

@@ -5,18 +5,18 @@ from __future__ import annotations
 import torch
 
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
-from hf_paged_attn.batch import build_step
 from hf_paged_attn.devtools.testing import left_padded
+from hf_paged_attn.step import build_step
 
 from .conftest import ragged_prompts
 
 
 def run_step(engine: ContinuousBatchingEngine):
     """Schedule and run one step by hand, returning (scheduled, metadata, logits of every row)."""
-    engine._drain_incoming()
+    engine._take_intake()
     plan = engine.scheduler.schedule()
     engine.cache.copy_blocks(plan.block_copies)
-    meta = build_step(plan.scheduled, engine.config.block_size, engine.device)
+    meta = build_step(plan.scheduled, engine.config.block_size, engine.device, engine.layers)
     meta.backend = engine.backend
     with torch.no_grad(), engine.cache.step(meta):
         logits = engine.model(

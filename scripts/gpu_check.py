@@ -15,6 +15,11 @@
     (figures only, to tune ``_choose_num_splits``).
 (f) throughput/bf16: the benchmark's ``uniform`` workload (64 requests, 30M-parameter Llama) on the
     GPU: the engine with each kernel against transformers' padded ``generate`` and continuous batching.
+(g) mixed/offload, mixed/split: the tiny Llama with half its layers on ``cuda:0`` and half on the
+    CPU, sdpa and paged under the same map. ``offload``: ``from_pretrained(device_map=...)``, where
+    accelerate runs the CPU half on the GPU and streams its weights in; ``split``:
+    ``dispatch_model(..., main_device="cpu")``, where the CPU half runs on the CPU, so pages live on
+    both devices and each step's metadata is copied to the CPU once.
 
 Without CUDA every check prints SKIPPED and the script exits 0. Otherwise it exits 1 if a check
 failed. Run it through ``scripts/gpu_check.sh``.
@@ -29,6 +34,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -51,6 +57,8 @@ CHECKS = (
     "cascade/fp32",
     "splitk/bf16",
     "throughput/bf16",
+    "mixed/offload",
+    "mixed/split",
 )
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # max abs error vs the float64 reference
@@ -553,6 +561,93 @@ def check_throughput(backends: dict[str, object]) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
+# (g) layers on two devices (accelerate's device_map)
+# ----------------------------------------------------------------------------------------------
+
+
+def mixed_device_map(num_layers: int, gpu: str) -> dict[str, str]:
+    """The first half of the layers (and the embeddings) on ``gpu``, the rest (and the head) on the CPU."""
+    half = num_layers // 2
+    layers = {f"model.layers.{i}": gpu if i < half else "cpu" for i in range(num_layers)}
+    return {"model.embed_tokens": gpu, "model.rotary_emb": gpu, **layers, "model.norm": "cpu", "lm_head": "cpu"}
+
+
+def load_mixed(directory: str, attn: str, mode: str, gpu: str) -> torch.nn.Module:
+    from accelerate import dispatch_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    device_map = mixed_device_map(AutoConfig.from_pretrained(directory).num_hidden_layers, gpu)
+    if mode == "offload":  # accelerate's meaning of "cpu" next to a GPU: weights there, execution on the GPU
+        model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation=attn, device_map=device_map)
+    else:  # main_device="cpu": the "cpu" half really executes on the CPU
+        model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation=attn)
+        skip = model._skip_keys_device_placement  # as from_pretrained passes it: hooks leave the cache alone
+        model = dispatch_model(model, device_map=device_map, main_device="cpu", skip_keys=skip)
+    return model.eval()
+
+
+def mixed_parity(directory: str, mode: str, gpu: str = "cuda:0") -> str:
+    """Greedy parity of the paged engine against sdpa under the same half-GPU, half-CPU map, pages
+    checked layer by layer; returns the detail line, raises AssertionError on a mismatch."""
+    from hf_paged_attn import ContinuousBatchingEngine
+    from hf_paged_attn.devtools.testing import compare_greedy
+    from hf_paged_attn.placement import input_device, layer_devices
+
+    ref, paged = load_mixed(directory, "sdpa", mode, gpu), load_mixed(directory, "paged", mode, gpu)
+    num_layers = paged.config.num_hidden_layers
+    expected_devices = [torch.device(gpu)] * num_layers
+    if mode == "split":
+        expected_devices[num_layers // 2 :] = [torch.device("cpu")] * (num_layers - num_layers // 2)
+    if layer_devices(paged) != expected_devices:
+        raise AssertionError(f"layer_devices {layer_devices(paged)} != the map's {expected_devices}")
+
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(2, paged.config.vocab_size, (n,), generator=gen).tolist() for n in (1, 5, 17, 33, 64, 120)]
+    device = input_device(ref)
+    expected = []
+    for p in prompts:
+        out = ref.generate(torch.tensor([p], device=device), max_new_tokens=NEW_TOKENS, do_sample=False)
+        expected.append(out[0, len(p) :].tolist())
+
+    engine = ContinuousBatchingEngine(paged)  # sized from memory: every device that holds layers is asked
+    steps = []  # every step's metadata, as the engine opens it on the cache
+    open_step = engine.cache.step
+    engine.cache.step = lambda meta: steps.append(meta) or open_step(meta)
+    outputs = engine.generate(prompts, max_new_tokens=NEW_TOKENS)
+    problems = compare_greedy(ref, prompts, expected, [o.output_ids for o in outputs], TIE_TOLERANCE[torch.float32])
+    if problems:
+        raise AssertionError("; ".join(problems))
+    pages = [layer.keys.device for layer in engine.cache.layers]
+    if pages != expected_devices:
+        raise AssertionError(f"pages on {pages}, layers execute on {expected_devices}")
+    # one copy of the step's tensors per other device per step, shared by that device's layers
+    copied = {tuple(sorted(str(d) for d in meta.copies if d != meta.input_ids.device)) for meta in steps}
+    want = {("cpu",)} if mode == "split" else {()}
+    if copied != want:
+        raise AssertionError(f"step metadata copied to {copied}, expected {want}")
+    where = ", ".join(f"{n} layers on {d}" for d, n in sorted(Counter(map(str, pages)).items()))
+    return (
+        f"{len(prompts)} prompts x {NEW_TOKENS} tokens equal sdpa (tie tol {TIE_TOLERANCE[torch.float32]}); "
+        f"pages: {where}; {engine.allocator.num_blocks} blocks, kernel {engine.config.kernel}, {len(steps)} steps"
+    )
+
+
+def check_mixed(mode: str, directory: str | None) -> None:
+    check = f"mixed/{mode}"
+    try:
+        import hf_paged_attn  # noqa: F401 - registers attn_implementation="paged"
+
+        if directory is None:
+            raise RuntimeError("the tiny model could not be built (see above)")
+        start = time.perf_counter()
+        detail = mixed_parity(directory, mode)
+        report("PASS", check, f"{detail}, {time.perf_counter() - start:.1f}s")
+    except Exception as exc:
+        report("FAIL", check, short_error(exc))
+        traceback.print_exc(file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------------------------
 
 
 def main() -> int:
@@ -570,7 +665,7 @@ def main() -> int:
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     backends = load_backends()
     directory = None
-    if any(c.startswith(("greedy", "cascade")) for c in wanted):  # one model for every greedy check
+    if any(c.startswith(("greedy", "cascade", "mixed")) for c in wanted):  # one model for every greedy check
         try:
             directory = tiny_llama_dir()
         except Exception as exc:
@@ -588,6 +683,8 @@ def main() -> int:
                 check_splitk(backends)
             elif kind == "throughput":
                 check_throughput(backends)
+            elif kind == "mixed":
+                check_mixed(rest[0], directory)
             else:
                 check_bandwidth(backends, rest[0])
         except Exception as exc:  # one broken check must not hide the others

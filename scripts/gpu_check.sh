@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check: kernel parity, greedy parity of a tiny Llama, decode bandwidth (scripts/gpu_check.py).
+# The GPU check: kernel parity, greedy parity of a tiny Llama (also with half its layers on the CPU),
+# decode bandwidth (scripts/gpu_check.py).
 # Under 5 minutes on one H100/H200, no network. Prints one [PASS|FAIL|SKIPPED] line per check; on a
 # machine without CUDA every check is SKIPPED and it exits 0. Extra arguments go to gpu_check.py
 # (e.g. --only kernels/triton).

@@ -1,6 +1,6 @@
 import pytest
 
-from hf_paged_attn.blocks import BlockAllocator
+from hf_paged_attn.blocks import ROOT_DIGEST, BlockAllocator, chain_digest
 
 
 def test_allocate_fork_free_round_trip():
@@ -41,25 +41,47 @@ def prefix_allocator(n=8):
     return BlockAllocator(n, enable_prefix_caching=True)
 
 
+def key(before: list[tuple[int, ...]], tokens: tuple[int, ...], group: int = 0):
+    """The prefix key of a block holding ``tokens`` after the full blocks ``before``."""
+    digest = ROOT_DIGEST
+    for block in before:
+        digest = chain_digest(digest, block)
+    return (group, digest, tokens)
+
+
 def test_prefix_lookup_walks_the_chain_and_verifies_tokens():
     alloc = prefix_allocator()
     a, b = alloc.allocate(2)
-    alloc.register(a, None, (1, 2))
-    alloc.register(b, a, (3, 4))
+    alloc.register(a, key([], (1, 2)))
+    alloc.register(b, key([(1, 2)], (3, 4)))
     assert alloc.lookup([(1, 2), (3, 4), (5, 6)]) == [a, b]
     assert alloc.lookup([(1, 2), (3, 5)]) == [a]
-    assert alloc.lookup([(3, 4)]) == []  # same tokens, different parent: no hit
+    assert alloc.lookup([(3, 4)]) == []  # same tokens, other prefix: no hit
+    assert alloc.lookup([(1, 2)], group=1) == []  # another attention group's tables: no hit
     disabled = BlockAllocator(4)
     (c,) = disabled.allocate(1)
-    disabled.register(c, None, (1, 2))
+    disabled.register(c, key([], (1, 2)))
     assert disabled.lookup([(1, 2)]) == []
+
+
+def test_a_block_is_found_by_content_even_when_earlier_blocks_were_evicted():
+    """Sliding-window groups need only the blocks inside their window: a block's key names the
+    content before it, not the block that held it."""
+    alloc = prefix_allocator(3)
+    a, b = alloc.allocate(2)
+    alloc.register(a, key([], (1,)))
+    alloc.register(b, key([(1,)], (2,)))
+    alloc.free([b, a])  # tail first: b is the least recently used
+    assert sorted(alloc.allocate(2)) == sorted([2, b])  # the empty block, then the LRU cached one (b)
+    assert alloc.cached(key([(1,)], (2,))) is None and alloc.cached(key([], (1,))) == a
+    alloc.check_invariants()
 
 
 def test_cached_free_blocks_are_evicted_last_and_lru():
     alloc = prefix_allocator(4)
     a, b, c, d = alloc.allocate(4)
-    alloc.register(a, None, (1,))
-    alloc.register(b, None, (2,))
+    alloc.register(a, key([], (1,)))
+    alloc.register(b, key([], (2,)))
     alloc.free([a, b, c, d])  # a and b stay cached; c and d are empty
     assert alloc.num_free_blocks == 4 and alloc.num_cached_blocks == 2
     assert sorted(alloc.allocate(2)) == sorted([c, d])  # empty blocks go first
@@ -68,23 +90,24 @@ def test_cached_free_blocks_are_evicted_last_and_lru():
     alloc.check_invariants()
 
 
-def test_reused_parent_makes_children_unreachable():
+def test_a_reused_block_is_not_found_by_its_old_content():
     alloc = prefix_allocator(2)
     a, b = alloc.allocate(2)
-    alloc.register(a, None, (1,))
-    alloc.register(b, a, (2,))  # b holds (2,) after (1,)
+    alloc.register(a, key([], (1,)))
+    alloc.register(b, key([(1,)], (2,)))  # b holds (2,) after (1,)
     alloc.free([a])  # a is evictable, b still held
     assert alloc.allocate(1) == [a]  # a is evicted and reused for other content...
-    alloc.register(a, None, (9,))
-    # ...so b, computed after the old content, must not be found after the new one
+    alloc.register(a, key([], (9,)))
+    # ...so b, computed after (1,), must not be found after (9,)
     assert alloc.lookup([(9,), (2,)]) == [a]
+    assert alloc.lookup([(1,), (2,)]) == []
     alloc.check_invariants()
 
 
 def test_fork_of_cached_free_block_takes_it_out_of_the_free_pool():
     alloc = prefix_allocator(2)
     (a,) = alloc.allocate(1)
-    alloc.register(a, None, (1, 2))
+    alloc.register(a, key([], (1, 2)))
     alloc.free([a])
     assert alloc.num_free_blocks == 2
     assert alloc.num_evictable([a]) == 1

@@ -1,13 +1,14 @@
 """Scheduler: budget, decode-first order, chunked prefill, admission and preemption."""
 
 from hf_paged_attn.blocks import BlockAllocator
+from hf_paged_attn.kv_manager import KVBlockManager
 from hf_paged_attn.request import Request, Status
 from hf_paged_attn.scheduler import Scheduler
 
 
 def make(num_blocks=16, block_size=4, max_num_seqs=8, max_batch_tokens=16):
     alloc = BlockAllocator(num_blocks)
-    return alloc, Scheduler(alloc, block_size, max_num_seqs, max_batch_tokens)
+    return alloc, Scheduler(KVBlockManager(alloc, block_size), max_num_seqs, max_batch_tokens)
 
 
 def req(n_prompt, max_new=8, arrival=0):

@@ -24,7 +24,9 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from hf_paged_attn.blocks import BlockAllocator, blocks_for
+from hf_paged_attn.blocks import ROOT_DIGEST, BlockAllocator, blocks_for, chain_digest
+from hf_paged_attn.kv_manager import KVBlockManager
+from hf_paged_attn.policy import POLICIES
 from hf_paged_attn.request import Request, Status
 from hf_paged_attn.scheduler import Scheduler, SchedulerOutput
 
@@ -51,11 +53,18 @@ class Simulation:
     """Drives a Scheduler the way the engine does, with a model of the pages instead of tensors."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, max_num_seqs: int, max_batch_tokens: int, prefix_caching: bool
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_batch_tokens: int,
+        prefix_caching: bool,
+        policy: str = "fcfs",
     ) -> None:
         self.block_size = block_size
         self.allocator = CountingAllocator(num_blocks, prefix_caching)
-        self.scheduler = Scheduler(self.allocator, block_size, max_num_seqs, max_batch_tokens)
+        self.kv = KVBlockManager(self.allocator, block_size)
+        self.scheduler = Scheduler(self.kv, max_num_seqs, max_batch_tokens, POLICIES[policy])
         self.pages: list[list[Slot | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.live: list[Request] = []  # added, not finished: each is running or waiting
         self.prompts: list[list[int]] = []
@@ -73,11 +82,11 @@ class Simulation:
         return f"r{self._ids}"
 
     # ------------------------------------------------------------------ operations
-    def add(self, prompt: list[int], max_new_tokens: int) -> Request:
+    def add(self, prompt: list[int], max_new_tokens: int, priority: int = 0) -> Request:
         """Queue a request, clamped so it can ever fit (the engine refuses the others)."""
         prompt = prompt[: self.capacity] or [ALPHABET[0]]
         max_new_tokens = max(1, min(max_new_tokens, self.capacity - len(prompt) + 1))
-        request = Request(self._new_id(), list(prompt), max_new_tokens, None, self._ids)
+        request = Request(self._new_id(), list(prompt), max_new_tokens, None, self._ids, priority=priority)
         assert self.scheduler.can_ever_fit(request)
         self.scheduler.add(request)
         self.live.append(request)
@@ -95,7 +104,8 @@ class Simulation:
         self._apply_copies(plan.block_copies)
         for s in plan.scheduled:
             self._write(s.request, s.request.num_computed_tokens, s.num_new_tokens)
-        self.scheduler.commit(plan.scheduled)
+        for s in plan.scheduled:
+            self.kv.commit(s.request, s.num_new_tokens)
         for s in plan.scheduled:  # what the step's attention reads: also for requests that finish now
             self._check_reads(s.request)
         sampled = [s.request for s in plan.scheduled if s.request.num_computed_tokens == s.request.num_tokens]
@@ -223,22 +233,25 @@ class Simulation:
             )
             self._check_reads(r)
 
-        # Every cached block holds its key's tokens, after its parent's content while the parent
-        # still holds the content it had when the key was made.
-        for (parent, generation, tokens), block in alloc._cached.items():
+        # Every cached block holds its key's tokens, after exactly the prefix its key's digest names.
+        for (group, digest, tokens), block in alloc._cached.items():
             content = self.pages[block]
+            assert group == 0, "one attention group here"
             assert all(c is not None for c in content), f"cached block {block} is not full"
             assert tuple(c[-1] for c in content) == tokens, f"cached block {block} holds other tokens"
-            if parent == -1:
-                assert len(content[0]) == 1, f"root block {block} does not start a sequence"
-            elif alloc._generation[parent] == generation:
-                assert content[0][:-1] == self.pages[parent][-1], f"cached block {block} follows other content"
+            before = content[0][:-1]  # every token before the block's first
+            assert len(before) % size == 0, f"cached block {block} does not start on a block boundary"
+            want = ROOT_DIGEST
+            for i in range(0, len(before), size):
+                want = chain_digest(want, tuple(before[i : i + size]))
+            assert digest == want, f"cached block {block} follows other content than its key says"
 
 
 class SchedulerMachine(RuleBasedStateMachine):
     """Random add / step / abort / fork sequences on a tiny cache; teardown drains and removes."""
 
     prefix_caching = True
+    policy = "fcfs"
 
     def __init__(self) -> None:
         super().__init__()
@@ -264,16 +277,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         first: list[tuple[list[int], int]],
     ) -> None:
         """A tiny cache, and a first few requests so that every example has work to schedule."""
-        self.sim = Simulation(num_blocks, block_size, max_num_seqs, max_batch_tokens, self.prefix_caching)
+        self.sim = Simulation(num_blocks, block_size, max_num_seqs, max_batch_tokens, self.prefix_caching, self.policy)
         for prompt, max_new in first:
             self.sim.add(prompt, max_new)
 
     @rule(
         prompt=st.lists(st.sampled_from(ALPHABET), min_size=1, max_size=MAX_PROMPT),
         max_new=st.integers(1, MAX_NEW),
+        priority=st.integers(-2, 2),
     )
-    def add(self, prompt: list[int], max_new: int) -> None:
-        self.sim.add(prompt, max_new)
+    def add(self, prompt: list[int], max_new: int, priority: int) -> None:
+        self.sim.add(prompt, max_new, priority)
 
     @rule(
         pick=st.integers(0, 1 << 16),
@@ -321,7 +335,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         sched, alloc = self.sim.scheduler, self.sim.allocator
         # shown by pytest --hypothesis-show-statistics: how often examples preempt, hit, evict, copy
         event(f"preempted={sched.num_preemptions > 0}")
-        event(f"prefix hit={sched.num_cached_tokens > 0}")
+        event(f"prefix hit={sched.kv.num_cached_tokens > 0}")
         event(f"evicted={alloc.num_evictions > 0}")
         event(f"copied={self.sim.num_copies > 0}")
         event(f"forked={self.sim.num_forks > 0}")
@@ -349,10 +363,20 @@ class NoPrefixCachingMachine(SchedulerMachine):
     prefix_caching = False
 
 
+class PriorityMachine(SchedulerMachine):
+    """The same machine under the ``priority`` policy: requests of mixed priorities are admitted
+    and preempted out of arrival order, and every invariant must still hold."""
+
+    prefix_caching = True
+    policy = "priority"
+
+
 TestWithPrefixCaching = PrefixCachingMachine.TestCase
 TestWithPrefixCaching.settings = MACHINE_SETTINGS
 TestWithoutPrefixCaching = NoPrefixCachingMachine.TestCase
 TestWithoutPrefixCaching.settings = MACHINE_SETTINGS
+TestWithPriorityPolicy = PriorityMachine.TestCase
+TestWithPriorityPolicy.settings = MACHINE_SETTINGS
 
 
 # ---------------------------------------------------------------------- the machine is not vacuous
@@ -385,7 +409,7 @@ def random_run(
 def test_random_sequences_preempt_hit_evict_and_copy(seed: int) -> None:
     sim = random_run(prefix_caching=True, seed=seed)
     assert sim.scheduler.num_preemptions > 0, "no preemption: the cache is not small enough"
-    assert sim.scheduler.num_cached_tokens > 0, "no prefix hit"
+    assert sim.kv.num_cached_tokens > 0, "no prefix hit"
     assert sim.allocator.num_evictions > 0, "no eviction of a cached block"
     assert sim.num_copies > 0, "no copy-on-write"
     assert sim.num_finished > 50
@@ -395,7 +419,7 @@ def test_random_sequences_preempt_hit_evict_and_copy(seed: int) -> None:
 def test_random_sequences_without_prefix_caching_never_hit() -> None:
     sim = random_run(prefix_caching=False, seed=0)
     assert sim.scheduler.num_preemptions > 0 and sim.num_copies > 0
-    assert sim.scheduler.num_cached_tokens == 0 and sim.allocator.num_cached_blocks == 0
+    assert sim.kv.num_cached_tokens == 0 and sim.allocator.num_cached_blocks == 0
     assert sim.allocator.num_evictions == 0
     assert sim.allocator.num_used_blocks == 0
 

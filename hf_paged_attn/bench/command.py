@@ -5,8 +5,11 @@
     python -m hf_paged_attn.bench --workload shared-prefix
     python -m hf_paged_attn.bench --workload scale [--with-baselines]
     python -m hf_paged_attn.bench --profile                # engine only: ms per step by part
+    python -m hf_paged_attn.bench --serve [--model random]  # HTTP: our server vs transformers serve
 
-Writes ``OUT/<workload>.json`` and ``OUT/<workload>_throughput.png``; see benchmarks/README.md.
+Writes OUT/<workload>.json and OUT/<workload>_throughput.png. OUT is --out, by default a folder in the
+user's cache ($XDG_CACHE_HOME/hf_paged_attn/bench, else ~/.cache/hf_paged_attn/bench), never the
+current directory; make bench passes --out benchmarks/results. See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from .runner import run_workload
 from .systems import SYSTEMS
 from .workloads import WORKLOADS, Workload
 
+PROG = "python -m hf_paged_attn.bench"  # the usage line's command; hf-paged-attn bench passes its own
 DEFAULT_SYSTEMS = {
     "uniform": ["engine", "generate", "hf_cb", "hf_padded"],
     "shared-prefix": ["engine", "engine+prefix", "generate", "hf_cb", "hf_padded"],
@@ -31,13 +35,21 @@ DEFAULT_SYSTEMS = {
 }
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def default_out_dir() -> Path:
+    """The user's cache folder for results (not the current directory, which may be anything)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "hf_paged_attn" / "bench"
+
+
+def parse_args(argv: list[str] | None = None, prog: str = PROG) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="hf-paged-attn bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--workload", choices=[w for w in WORKLOADS if w != "smoke"], default="uniform")
     parser.add_argument("--smoke", action="store_true", help="tiny model, 6 requests, 8 new tokens (seconds)")
-    parser.add_argument("--out", default="benchmarks/results", help="directory for the JSON and PNG")
+    parser.add_argument(
+        "--out", type=Path, default=None, help=f"directory for the JSON and PNG (default: {default_out_dir()})"
+    )
     parser.add_argument("--systems", help=f"comma-separated subset of {','.join(SYSTEMS)}")
     parser.add_argument("--with-baselines", action="store_true", help="scale: also run hf_cb and hf_padded")
     parser.add_argument("--concurrency", help="comma-separated sweep levels (default: the workload's)")
@@ -51,6 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--profile-ops", type=int, default=0, metavar="N",
                         help="with --profile: also torch.profiler's N most expensive ops (a second run)")
+    parser.add_argument("--serve", action="store_true", help="benchmark the HTTP servers instead (--serve --help)")
     return parser.parse_args(argv)
 
 
@@ -61,9 +74,9 @@ def build_workload(args: argparse.Namespace) -> Workload:
     return WORKLOADS[name]()
 
 
-def run(argv: list[str] | None = None) -> dict[str, Any]:
+def run(argv: list[str] | None = None, prog: str = PROG) -> dict[str, Any]:
     """Run the benchmark described by ``argv``; write and return the report."""
-    args = parse_args(argv)
+    args = parse_args(argv, prog)
     if args.threads > 1 and "OMP_WAIT_POLICY" not in os.environ:
         print(
             "note: OMP_WAIT_POLICY is unset; on a shared or oversubscribed CPU, OpenMP's spinning threads can make "
@@ -87,7 +100,7 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     levels = [int(c) for c in args.concurrency.split(",")] if args.concurrency else None
     runs, bound, env = run_workload(work, systems, threads=args.threads, concurrency=levels)
     report = build_report(work, runs, bound, env)
-    out = Path(args.out)
+    out = args.out or default_out_dir()
     out.mkdir(parents=True, exist_ok=True)
     if not args.no_plot:
         report["plot"] = str(plot(report, out / f"{work.name}_throughput.png"))
@@ -97,5 +110,11 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     return report
 
 
-def main(argv: list[str] | None = None) -> None:
-    run(argv)
+def main(argv: list[str] | None = None, prog: str = PROG) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--serve" in argv:  # its own options: see hf_paged_attn.bench.serve
+        from .serve import main as serve_main
+
+        argv.remove("--serve")
+        return serve_main(argv, prog=f"{prog} --serve")
+    run(argv, prog)

@@ -13,9 +13,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
 
 import hf_paged_attn
-from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
+from hf_paged_attn import ContinuousBatchingEngine, PagedConfig, _env
 
 DEMO_MODEL = Path(__file__).parent.parent / "assets" / "demo-model"
 
@@ -55,8 +56,10 @@ PROMPTS = [
 ]
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str = "python -m hf_paged_attn.demo") -> None:
+    parser = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default=str(DEMO_MODEL), help="local path or hub id (default: bundled model)")
     parser.add_argument("--num-prompts", type=int, default=len(PROMPTS))
     parser.add_argument("--max-new-tokens", type=int, default=40)
@@ -65,9 +68,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
+    hf_logging.disable_progress_bar()  # the demo model loads in a blink; its "Loading weights" bar is noise
     torch.set_num_threads(max(1, torch.get_num_threads()))
 
     print(f"hf_paged_attn {hf_paged_attn.__version__}: loading {args.model} with attn_implementation='paged'")
+    if _env.APPLIED:  # the command's default, set before torch loaded (a value in the environment wins)
+        print("default environment: " + " ".join(f"{k}={v}" for k, v in _env.APPLIED.items()))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="paged").eval()
     engine = ContinuousBatchingEngine(model, PagedConfig(kernel=args.kernel, block_size=args.block_size))

@@ -33,7 +33,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from .. import register
 from ..config import PagedConfig
-from ..support import UnsupportedModelError, check_config_supported, check_model_supported
+from ..model_checks import UnsupportedModelError, check_config_supported, check_model_supported
 from .testing import compare_greedy, left_padded, unpadded_rows
 from .tiny_configs import VOCAB, tiny_config
 

@@ -83,7 +83,8 @@ class Backend:
         if not self.accepts_block_size(block_size):
             raise ValueError(
                 f"the {self.name} kernels need a block_size that is {self.block_size_rule}, got "
-                f"block_size={block_size}; leave PagedConfig.block_size=None for the kernel's own, or pick another kernel"
+                f"block_size={block_size}; leave PagedConfig.block_size=None for the kernel's own, "
+                "or pick another kernel"
             )
 
     def load(self, device: torch.device) -> ModuleType:

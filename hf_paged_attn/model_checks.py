@@ -15,8 +15,8 @@ import torch
 from transformers import PreTrainedConfig
 
 if TYPE_CHECKING:
-    from .batch import StepMetadata
     from .cache import PagedLayer
+    from .step import StepMetadata
 
 SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
@@ -101,7 +101,7 @@ def check_attention_call(
         # inside a step the "paged" mask function returns None, so this mask was built by the model
         reason = "it passes its own attention mask or bias, which the paged kernels can't apply"
         raise unsupported(config, type(module).__name__, reason)
-    layer = meta.cache.last_layer
+    layer = meta.last_layer
     returned = layer.returned if layer is not None else None
     if returned is None or key is not returned[0]() or value is not returned[1]():
         reason = "its attention does not use the K/V that PagedAttentionCache.update returned (it skips the cache "

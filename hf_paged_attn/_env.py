@@ -1,0 +1,74 @@
+"""Environment defaults for the command-line entry points, applied before torch loads.
+
+torch's OpenMP runtime (libgomp) reads ``OMP_WAIT_POLICY`` once, when torch is imported. Its default
+lets idle worker threads spin; on a shared or oversubscribed CPU the spinning threads steal the cores
+the work needs, and the demo's run time swings from 0.5 s to 20 s between runs. ``PASSIVE`` makes them
+sleep instead, which costs nearly nothing on a dedicated machine.
+
+Only the commands set it (``hf-paged-attn ...``, ``python -m hf_paged_attn.demo`` / ``.bench`` /
+``.cli``), and only when the user has not: ``hf_paged_attn/__init__.py`` imports this module, which
+applies them, before it imports anything that imports torch. A library import leaves the
+environment alone (by then the caller has usually imported torch, and the process is theirs).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import MutableMapping, Sequence
+from pathlib import PurePath
+
+CLI_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+ENTRY_MODULES = frozenset({"hf_paged_attn.cli", "hf_paged_attn.demo", "hf_paged_attn.bench", "hf_paged_attn.serve"})
+SCRIPT = "hf-paged-attn"
+_OPTIONS_WITH_VALUE = ("-W", "-X")  # interpreter options whose value may be the next argument
+
+
+def entry_point(orig_argv: Sequence[str]) -> str | None:
+    """What the interpreter was asked to run: ``"-m MODULE"``, the script's path, or None (``-c``, stdin).
+
+    ``orig_argv`` is ``sys.orig_argv``: the interpreter's own options come before the module or script.
+    """
+    args = iter(orig_argv[1:])
+    for arg in args:
+        if arg == "-" or not arg.startswith("-"):
+            return None if arg == "-" else arg  # the script; what follows are its own arguments
+        if arg == "--":
+            return next(args, None)
+        if arg[:2] in _OPTIONS_WITH_VALUE:
+            if len(arg) == 2:
+                next(args, None)
+            continue
+        flags = arg[1:]  # short options may be combined: -Bm module, -Im module
+        for i, flag in enumerate(flags):
+            if flag == "c":
+                return None
+            if flag == "m":
+                return "-m " + (flags[i + 1 :] or next(args, ""))
+    return None
+
+
+def is_cli(orig_argv: Sequence[str]) -> bool:
+    """True when the process is one of this package's commands."""
+    target = entry_point(orig_argv)
+    if target is None:
+        return False
+    if target.startswith("-m "):
+        return target[3:] in ENTRY_MODULES
+    return PurePath(target).name.removesuffix(".exe").removesuffix("-script.py") == SCRIPT
+
+
+def apply_cli_defaults(
+    orig_argv: Sequence[str] | None = None, environ: MutableMapping[str, str] | None = None
+) -> dict[str, str]:
+    """Set :data:`CLI_DEFAULTS` the user left unset (or empty) when running a command; returns what was set."""
+    orig_argv = sys.orig_argv if orig_argv is None else orig_argv
+    environ = os.environ if environ is None else environ
+    if not is_cli(orig_argv):
+        return {}
+    applied = {k: v for k, v in CLI_DEFAULTS.items() if not environ.get(k)}  # empty: OpenMP's default, not a choice
+    environ.update(applied)
+    return applied
+
+
+APPLIED = apply_cli_defaults()  # what this process got from CLI_DEFAULTS (the demo reports it)

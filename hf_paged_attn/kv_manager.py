@@ -1,0 +1,217 @@
+"""KV-block manager: each request's block tables, one per attention group, between the scheduler
+(policy) and the block allocator (free list, reference counts, prefix index).
+
+Plain Python, no torch. Only this module changes a request's tables (``request.block_tables``)
+and ``request.num_computed_tokens``; the scheduler asks it whether blocks can be had (``admit``,
+``reserve``) and tells it what ran (``commit``) and what left (``release``).
+"""
+
+from __future__ import annotations
+
+from .blocks import RELEASED, ROOT_DIGEST, BlockAllocator, PrefixKey, blocks_for, chain_digest
+from .layers import AttentionGroup, LayerKinds
+from .request import Request
+
+
+def blocks_at_peak(
+    num_tokens: int, block_size: int, groups: list[AttentionGroup], max_batch_tokens: int | None = None
+) -> int:
+    """Blocks a request of ``num_tokens`` cached tokens holds at most, over all groups: a full
+    group holds all of them, a sliding group its window plus the chunk being computed (blocks leave
+    the window only once a step is committed)."""
+    full = blocks_for(num_tokens, block_size)
+    total = 0
+    for group in groups:
+        if group.window is None or max_batch_tokens is None:
+            total += full
+        else:
+            total += min(full, blocks_for(group.window + max_batch_tokens, block_size) + 1)
+    return total
+
+
+class KVBlockManager:
+    """Block tables: admit (prefix hits), reserve (copy on write), commit (register full blocks,
+    free what left a window), fork and release.
+
+    Invariant: in every group, a request holds ``blocks_for(num_computed_tokens + scheduled,
+    block_size)`` table entries, of which those wholly before its group's window are ``RELEASED``.
+    """
+
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        block_size: int,
+        layers: LayerKinds | None = None,
+        max_batch_tokens: int | None = None,
+    ) -> None:
+        self.allocator = allocator
+        self.block_size = block_size
+        self.layers = layers or LayerKinds([])
+        self.max_batch_tokens = max_batch_tokens  # bounds a sliding group's blocks during a prefill chunk
+        self.copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) pending for the next step
+        self.num_prompt_tokens = 0  # of admitted requests
+        self.num_cached_tokens = 0  # of those, served from the prefix cache
+
+    @property
+    def groups(self) -> list[AttentionGroup]:
+        return self.layers.groups
+
+    def tables(self, request: Request) -> list[list[int]]:
+        """The request's block table of each group (group 0's is ``request.block_ids``)."""
+        missing = len(self.groups) - 1 - len(request.extra_block_ids)
+        if missing > 0:
+            request.extra_block_ids.extend([] for _ in range(missing))
+        return request.block_tables
+
+    # ------------------------------------------------------------------ capacity
+    def can_ever_fit(self, request: Request) -> bool:
+        # The last sampled token is never fed back, so it needs no slot.
+        need = blocks_at_peak(request.max_total_tokens - 1, self.block_size, self.groups, self.max_batch_tokens)
+        return need <= self.allocator.num_blocks
+
+    # ------------------------------------------------------------------ admission
+    def admit(self, request: Request, budget: int) -> bool:
+        """Give a waiting request its cached prefix and blocks for its first chunk (at most
+        ``budget`` tokens); False, changing nothing, when the blocks are not there.
+
+        A hit of ``n`` blocks needs, in a full group, the first ``n`` blocks cached; in a sliding
+        group only those inside the window of the next query. When every known token hits the
+        cache, the last one is still recomputed: its logits are needed to sample the next token.
+        """
+        size = self.block_size
+        tokens = request.all_ids
+        keys = self._keys(tokens, (len(tokens) - 1) // size)  # per group, per full block
+        found = [[self.allocator.cached(k) for k in group_keys] for group_keys in keys]
+        num_hit = self._num_hit(found)
+        tables = []
+        for group, hits in zip(self.groups, found):  # a sliding group skips what is out of its window
+            first = self._first_visible_block(num_hit, group)
+            tables.append([RELEASED] * first + hits[first:num_hit])
+        num_cached = num_hit * size
+        num_new = min(len(tokens) - num_cached, budget)
+        needed = len(self.groups) * (blocks_for(num_cached + num_new, size) - num_hit)
+        if not self.allocator.can_allocate(needed + sum(self.allocator.num_evictable(t) for t in tables)):
+            return False
+        for table, hits in zip(self.tables(request), tables):
+            table[:] = self.allocator.fork(hits)
+        request.num_computed_tokens = num_cached
+        if request.num_preemptions == 0:  # count what a fresh request was spared, not recomputes
+            request.num_cached_tokens = num_cached
+            self.num_prompt_tokens += len(request.prompt_ids)
+            self.num_cached_tokens += num_cached
+        assert self.reserve(request, num_new)
+        return True
+
+    def _num_hit(self, found: list[list[int | None]]) -> int:
+        """The most leading blocks every group can serve from the cache."""
+        num_hit = len(found[0]) if found else 0
+        for group, hits in zip(self.groups, found):  # full groups: an unbroken run from the start
+            if group.window is None:
+                num_hit = min(num_hit, next((i for i, b in enumerate(hits) if b is None), len(hits)))
+        while num_hit > 0:  # sliding groups: the window before the hit point
+            if all(
+                None not in hits[self._first_visible_block(num_hit, group) : num_hit]
+                for group, hits in zip(self.groups, found)
+            ):
+                break
+            num_hit -= 1
+        return num_hit
+
+    def _first_visible_block(self, num_blocks: int, group: AttentionGroup) -> int:
+        """The first block that the query after ``num_blocks`` full blocks sees in ``group``."""
+        if group.window is None:
+            return 0
+        return max(num_blocks * self.block_size - group.window + 1, 0) // self.block_size
+
+    def _keys(self, tokens: list[int], num_blocks: int) -> list[list[PrefixKey]]:
+        """Prefix-cache keys of the first ``num_blocks`` full blocks of ``tokens``, per group."""
+        size = self.block_size
+        per_block, digest = [], ROOT_DIGEST
+        for i in range(num_blocks):
+            block = tuple(tokens[i * size : (i + 1) * size])
+            per_block.append((digest, block))
+            digest = chain_digest(digest, block)
+        return [[(g, d, block) for d, block in per_block] for g in range(len(self.groups))]
+
+    # ------------------------------------------------------------------ growth
+    def reserve(self, request: Request, num_new: int) -> bool:
+        """Blocks for ``num_new`` more tokens in every group; a shared block about to be written is
+        copied first."""
+        first = request.num_computed_tokens
+        tables = self.tables(request)
+        cow_index = first // self.block_size
+        needs = []
+        for table in tables:
+            needed = max(blocks_for(first + num_new, self.block_size) - len(table), 0)
+            shared = table[cow_index] if cow_index < len(table) else RELEASED
+            copy = shared != RELEASED and self.allocator.ref_count(shared) > 1
+            needs.append((needed, copy))
+        if not self.allocator.can_allocate(sum(n + c for n, c in needs)):
+            return False
+        for table, (needed, copy) in zip(tables, needs):
+            if copy:
+                shared = table[cow_index]
+                (fresh,) = self.allocator.allocate(1)
+                self.allocator.free([shared])
+                table[cow_index] = fresh
+                self.copies.append((shared, fresh))
+            table.extend(self.allocator.allocate(needed))
+        return True
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.copies = self.copies, []
+        return copies
+
+    def commit(self, request: Request, num_new: int) -> None:
+        """``num_new`` tokens of ``request`` are now in the cache: blocks they filled join the
+        prefix cache, and blocks no later query can see are freed."""
+        size = self.block_size
+        first_full = request.num_computed_tokens // size
+        request.num_computed_tokens += num_new
+        last_full = request.num_computed_tokens // size
+        if self.allocator.enable_prefix_caching and last_full > first_full:
+            keys = self._keys(request.all_ids, last_full)
+            for g, table in enumerate(self.tables(request)):
+                for i in range(first_full, last_full):
+                    if table[i] != RELEASED:
+                        self.allocator.register(table[i], keys[g][i])
+        for group, table in zip(self.groups, self.tables(request)):
+            if group.window is not None:
+                self._release_out_of_window(request, table, group.window)
+
+    def _release_out_of_window(self, request: Request, table: list[int], window: int) -> None:
+        """The next query, at position ``num_computed_tokens``, sees keys from
+        ``num_computed_tokens - window + 1`` on: the blocks wholly before that are freed."""
+        first_visible = request.num_computed_tokens - window + 1
+        for i in range(max(first_visible, 0) // self.block_size):
+            if table[i] != RELEASED:
+                self.allocator.free([table[i]])
+                table[i] = RELEASED
+
+    # ------------------------------------------------------------------ sharing and release
+    def fork(self, parent: Request, child: Request) -> None:
+        """``child`` shares every block of ``parent`` (copy on write) and its computed tokens."""
+        for source, table in zip(self.tables(parent), self.tables(child)):
+            table[:] = self.allocator.fork(source)
+        child.num_computed_tokens = parent.num_computed_tokens
+
+    def release(self, request: Request) -> None:
+        """Give back every block of ``request`` (finished, aborted or preempted). Freed tail first,
+        so the least recently used cached block is a chain's last one and the chain's head, which
+        every later hit needs, is evicted last."""
+        for table in self.tables(request):
+            self.allocator.free(table[::-1])
+            table.clear()
+        request.num_computed_tokens = 0
+
+    def kv_waste(self, requests: list[Request]) -> float:
+        """Share of the blocks in use that hold no token (each distinct block counted once)."""
+        size = self.block_size
+        used = self.allocator.num_used_blocks
+        filled: dict[int, int] = {}
+        for r in requests:
+            for table in self.tables(r):
+                for i, block in enumerate(table):
+                    if block != RELEASED:
+                        filled[block] = max(filled.get(block, 0), min(size, r.num_computed_tokens - i * size))
+        return 1.0 - sum(max(f, 0) for f in filled.values()) / (used * size) if used else 0.0

@@ -1,0 +1,141 @@
+"""``hf-paged-attn serve MODEL``: an OpenAI-compatible HTTP server on the paged engine.
+
+    hf-paged-attn serve Qwen/Qwen2.5-0.5B-Instruct --port 8000
+    python -m hf_paged_attn.serve path/to/model --api-key secret --max-num-seqs 32
+
+It logs one line when ready, ``ready: http://HOST:PORT``. SIGTERM or SIGINT stop accepting
+connections, let running requests finish (at most --drain-timeout seconds) and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..config import PagedConfig
+
+logger = logging.getLogger("hf_paged_attn.serve")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="hf-paged-attn serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("model", help="hub id or local path of a causal LM")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (the ready line names it)")
+    p.add_argument("--api-key", default=os.environ.get("HF_PAGED_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $HF_PAGED_API_KEY; none: open)")
+    p.add_argument("--served-model-name", help="the model name clients send (default: MODEL as given)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto")
+    p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available, else cpu)")
+    p.add_argument("--chat-template", type=Path, metavar="FILE",
+                   help="a Jinja chat template to use instead of the tokenizer's")
+    p.add_argument("--max-queue", type=int, default=512,
+                   help="most requests (choices) in the engine at once, running and waiting; more get HTTP 429")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds to let running requests finish on SIGTERM/SIGINT before aborting them")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    g = p.add_argument_group("paged engine (PagedConfig)")
+    g.add_argument("--block-size", type=int)
+    g.add_argument("--num-blocks", type=int)
+    g.add_argument("--memory-fraction", type=float)
+    g.add_argument("--max-num-seqs", type=int)
+    g.add_argument("--max-batch-tokens", type=int)
+    g.add_argument("--kernel")
+    g.add_argument("--scheduling-policy")
+    g.add_argument("--no-prefix-caching", action="store_true")
+    args = p.parse_args(argv)
+    if args.max_queue < 1:
+        p.error(f"--max-queue must be >= 1, got {args.max_queue}")
+    if args.drain_timeout < 0:
+        p.error(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    return args
+
+
+def paged_config(args: argparse.Namespace) -> PagedConfig:
+    """The PagedConfig the flags describe (ValueError naming a bad field)."""
+    names = ("block_size", "num_blocks", "memory_fraction", "max_num_seqs", "max_batch_tokens", "kernel",
+             "scheduling_policy")
+    fields = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    if args.no_prefix_caching:
+        fields["enable_prefix_caching"] = False
+    return PagedConfig().replace(**fields)
+
+
+def load(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(paged engine, tokenizer) for ``args.model``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import hf_paged_attn  # noqa: F401  registers attn_implementation="paged"
+    from hf_paged_attn import ContinuousBatchingEngine
+
+    config = paged_config(args)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="paged", dtype=dtype)
+    model = model.to(device).eval()
+    return ContinuousBatchingEngine(model, config), tokenizer
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the server until SIGTERM/SIGINT; returns the exit status."""
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    from .app import build_app
+    from .handlers import ServeSettings
+
+    try:
+        paged_config(args)
+        template = args.chat_template.read_text() if args.chat_template else None
+    except (ValueError, OSError) as exc:
+        print(f"hf-paged-attn serve: error: {exc}", file=sys.stderr)
+        return 2
+    engine, tokenizer = load(args)
+    settings = ServeSettings(
+        model_name=args.served_model_name or args.model, api_key=args.api_key or None,
+        max_queue=args.max_queue, chat_template=template,
+    )
+    app = build_app(engine, tokenizer, settings)
+    sock = bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if self.started:  # printed at every log level: scripts wait for this line
+                print(f"hf-paged-attn serve: ready: {url} (model {settings.model_name!r}, {engine.device}, "
+                      f"{engine.stats.num_blocks} KV blocks of {engine.config.block_size} tokens)",
+                      file=sys.stderr, flush=True)
+
+    config = uvicorn.Config(
+        app, log_level=args.log_level if args.log_level == "debug" else "warning", access_log=False,
+        timeout_graceful_shutdown=int(args.drain_timeout) or 1, lifespan="on",
+    )
+    # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal to the handler found before it
+    # started: make that one a no-op so a drained shutdown exits 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    Server(config).run(sockets=[sock])
+    logger.info("stopped")
+    return 0

@@ -1,0 +1,152 @@
+"""The bridge between one engine and the asyncio server: a background thread steps the engine.
+
+The thread runs ``engine.step()`` while any request is unfinished and sleeps on a condition
+variable otherwise (no polling). Each step's outputs go to the event loop in one
+``call_soon_threadsafe`` call, which puts each output on the asyncio.Queue of the HTTP request
+that asked for it. ``add_request`` and ``abort`` are the engine's thread-safe entry points.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..request import RequestOutput
+from .metrics import ServeMetrics
+
+logger = logging.getLogger("hf_paged_attn.serve")
+
+
+@dataclass(slots=True)
+class _Subscriber:
+    queue: asyncio.Queue
+    tag: Any  # handed back with every output (the choice index)
+    arrival: float
+    last: float | None = None  # when its last tokens arrived
+
+
+class EngineLoop:
+    """Owns the engine thread. ``submit``/``abort`` are called from the event loop's thread."""
+
+    def __init__(self, engine: Any, metrics: ServeMetrics | None = None) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.stats = engine.stats  # refreshed by the engine thread after every step
+        self._cond = threading.Condition()
+        self._live: set[str] = set()  # submitted and not yet seen finished (guarded by _cond)
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._subscribers: dict[str, _Subscriber] = {}  # event-loop thread only
+
+    # ----------------------------------------------------------------------------- event-loop side
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="hf-paged-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def num_unfinished(self) -> int:
+        with self._cond:
+            return len(self._live)
+
+    def submit(self, input_ids: Sequence[int], queue: asyncio.Queue, tag: Any, **kwargs: Any) -> str:
+        """Queue one request; its outputs arrive on ``queue`` as ``(tag, RequestOutput)``.
+        The engine's ValueError for bad input propagates and nothing is queued."""
+        with self._cond:  # held across add_request: the thread cannot see the output before _live has the id
+            if self._stopping:
+                raise RuntimeError("the server is shutting down")
+            request_id = self.engine.add_request(list(input_ids), **kwargs)
+            self._live.add(request_id)
+            self._cond.notify()
+        self._subscribers[request_id] = _Subscriber(queue, tag, time.perf_counter())
+        if self.metrics:
+            self.metrics.prompt_tokens.inc(len(input_ids))
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop delivering ``request_id``'s outputs and cancel it; its blocks free at the next step."""
+        if self._subscribers.pop(request_id, None) is None:
+            return  # already finished and delivered
+        try:
+            self.engine.abort(request_id)
+        except ValueError:  # finished in the engine meanwhile
+            pass
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        now = time.perf_counter()
+        for out in outputs:
+            sub = self._subscribers.get(out.request_id)
+            if sub is None:  # aborted by its client
+                continue
+            if out.new_ids and self.metrics:
+                if sub.last is None:
+                    self.metrics.time_to_first_token.observe(now - sub.arrival)
+                else:
+                    self.metrics.inter_token_latency.observe((now - sub.last) / len(out.new_ids))
+            if out.new_ids:
+                sub.last = now
+            sub.queue.put_nowait((sub.tag, out))
+            if out.finished:
+                del self._subscribers[out.request_id]
+
+    # ----------------------------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._live or self._stopping)
+                if not self._live:
+                    return  # stopping, and nothing left
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # the engine catches a failing forward itself; this is a last resort
+                logger.exception("engine step failed; failing every unfinished request")
+                outputs = self._fail_all(exc)
+            with self._cond:
+                for out in outputs:
+                    if out.finished:
+                        self._live.discard(out.request_id)
+            try:  # bookkeeping must never stop the thread: every open request would hang
+                self.stats = self.engine.stats
+                if self.metrics:
+                    self.metrics.record_step(outputs)
+            except Exception:
+                logger.exception("updating the metrics failed")
+            if outputs:
+                try:
+                    self._loop.call_soon_threadsafe(self._deliver, outputs)
+                except RuntimeError:  # the event loop is closed: nobody is listening any more
+                    pass
+
+    def _fail_all(self, exc: Exception) -> list[RequestOutput]:
+        with self._cond:
+            ids = list(self._live)
+        outputs = []
+        for request_id in ids:
+            try:
+                self.engine.abort(request_id)
+            except ValueError:
+                pass
+            outputs.append(RequestOutput(request_id, [], [], [], True, "error", f"{type(exc).__name__}: {exc}"))
+        return outputs
+
+    def stop(self, timeout: float) -> bool:
+        """Abort what is left, let the thread finish the aborts and exit; True if it did in time."""
+        with self._cond:
+            self._stopping = True
+            ids = list(self._live)
+            self._cond.notify()
+        for request_id in ids:
+            try:
+                self.engine.abort(request_id)
+            except ValueError:
+                pass
+        if self._thread is None:
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()

@@ -1,0 +1,291 @@
+"""``/v1/completions`` and ``/v1/chat/completions``: request → Job → JSON or server-sent events.
+
+Decisions that differ from OpenAI (documented in docs/serving.md): sampling fields a request
+leaves out come from the model's ``generation_config`` (as ``transformers serve`` does), so the
+demo model is greedy unless ``temperature`` > 0 is asked for; chat's default ``max_tokens`` is
+the generation config's ``max_new_tokens`` (or the rest of the context).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import inspect
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from transformers import GenerationConfig
+
+from .engine_loop import EngineLoop
+from .jobs import ChoiceEvent, Job, JobRun, TokenInfo
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, parse
+
+
+@dataclass
+class ServeSettings:
+    model_name: str
+    api_key: str | None = None
+    max_queue: int = 512  # engine requests (choices) admitted at once, running + waiting; more get 429
+    chat_template: str | None = None  # overrides the tokenizer's
+
+
+class Handlers:
+    def __init__(self, loop: EngineLoop, tokenizer: Any, settings: ServeSettings) -> None:
+        self.loop = loop
+        self.tokenizer = tokenizer
+        self.settings = settings
+        engine = loop.engine
+        self.generation_config: GenerationConfig = engine.generation_config
+        text_config = engine.model.config.get_text_config()
+        self.context_length = int(getattr(text_config, "max_position_embeddings", None) or tokenizer.model_max_length)
+        self.engine_options = set(inspect.signature(engine.add_request).parameters)
+
+    # ----------------------------------------------------------------------------- endpoints
+    async def completions(self, request: Request) -> Any:
+        req: CompletionRequest = parse(CompletionRequest, await _json(request))
+        self._check_model(req.model)
+        prompts, texts = self._completion_prompts(req.prompt)
+        limit = req.max_tokens if req.max_tokens is not None else 16  # an explicit null: OpenAI's default
+        job = self._job(req, prompts, [limit] * len(prompts), req.logprobs)
+        echo = texts if req.echo else [""] * len(prompts)
+        run = self._start(job)
+        meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.settings.model_name}
+        if req.stream:
+            usage = req.stream_options is not None and req.stream_options.include_usage
+            return _sse(_completion_chunks(run, meta, echo, usage))
+        events = await _collect(run, request)
+        choices = []
+        for choice in job.choices:
+            mine = [e for e in events if e.choice is choice]
+            text = "".join(e.text for e in mine)
+            logprobs = _completion_logprobs([lp for e in mine for lp in e.logprobs], len(echo[choice.prompt_index]))
+            choices.append({"index": choice.index, "text": echo[choice.prompt_index] + text,
+                            "logprobs": logprobs if req.logprobs is not None else None,
+                            "finish_reason": choice.finish_reason})
+        return {**meta, "object": "text_completion", "choices": choices, "usage": _usage(job)}
+
+    async def chat(self, request: Request) -> Any:
+        req: ChatCompletionRequest = parse(ChatCompletionRequest, await _json(request))
+        self._check_model(req.model)
+        prompt = self._chat_prompt(req)
+        limit = req.token_limit()
+        if limit is None:
+            rest = self.context_length - len(prompt)
+            limit = min(self.generation_config.max_new_tokens or rest, rest) if rest > 0 else 1
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        job = self._job(req, [prompt], [limit], top)
+        run = self._start(job)
+        meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.settings.model_name}
+        if req.stream:
+            usage = req.stream_options is not None and req.stream_options.include_usage
+            return _sse(_chat_chunks(run, meta, usage))
+        events = await _collect(run, request)
+        choices = []
+        for choice in job.choices:
+            mine = [e for e in events if e.choice is choice]
+            logprobs = _chat_logprobs([lp for e in mine for lp in e.logprobs]) if req.logprobs else None
+            choices.append({"index": choice.index, "logprobs": logprobs, "finish_reason": choice.finish_reason,
+                            "message": {"role": "assistant", "content": "".join(e.text for e in mine)}})
+        return {**meta, "object": "chat.completion", "choices": choices, "usage": _usage(job)}
+
+    def models(self) -> dict[str, Any]:
+        card = {"id": self.settings.model_name, "object": "model", "created": 0, "owned_by": "hf-paged-attn"}
+        return {"object": "list", "data": [card]}
+
+    # ----------------------------------------------------------------------------- building jobs
+    def _check_model(self, name: str) -> None:
+        if name != self.settings.model_name:
+            raise APIError(400, f"model {name!r} is not served here; this server serves {self.settings.model_name!r}",
+                           "model", "model_not_found")
+
+    def _completion_prompts(self, prompt: Any) -> tuple[list[list[int]], list[str]]:
+        """Token ids and text of each prompt (a string, strings, token ids, lists of token ids)."""
+        if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+            prompt = [prompt]
+        if not prompt:
+            raise APIError(400, "prompt is empty", "prompt", "empty_prompt")
+        ids, texts = [], []
+        for p in prompt:
+            if len(p) == 0:
+                raise APIError(400, "prompt is empty", "prompt", "empty_prompt")
+            if isinstance(p, str):
+                ids.append(self.tokenizer(p)["input_ids"])
+                texts.append(p)
+            else:
+                ids.append(list(p))
+                texts.append(self.tokenizer.decode(p, skip_special_tokens=True))
+        return ids, texts
+
+    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        template = self.settings.chat_template or getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            raise APIError(400, "this model has no chat template; start the server with --chat-template FILE",
+                           "messages", "no_chat_template")
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, chat_template=template, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as exc:  # a template may raise on messages it does not accept (jinja's raise_exception)
+            message = f"the chat template refused the messages: {exc}"
+            raise APIError(400, message, "messages", "invalid_messages") from None
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template writes its own BOS
+
+    def _job(self, req: Any, prompts: list[list[int]], limits: list[int], top_logprobs: int | None) -> Job:
+        for prompt, limit in zip(prompts, limits):
+            if len(prompt) + limit > self.context_length:
+                raise APIError(
+                    400, f"this model's maximum context length is {self.context_length} tokens; the request asks "
+                    f"for {len(prompt) + limit} ({len(prompt)} in the prompt, {limit} to generate)",
+                    "max_tokens", "context_length_exceeded",
+                )
+        kwargs: dict[str, Any] = {"generation_config": self._generation_config(req)}
+        stop = req.stop_list()
+        if stop and "tokenizer" in self.engine_options:  # the engine stops on them too (else only we do)
+            kwargs["generation_config"].stop_strings = stop
+            kwargs["tokenizer"] = self.tokenizer
+        for name, value in (("logprobs", top_logprobs), ("seed", req.seed)):
+            if value is None:
+                continue
+            if name not in self.engine_options:
+                raise APIError(400, f"{name} is not supported by this version of hf_paged_attn's engine", name,
+                               "unsupported_parameter")
+            kwargs[name] = value
+        return Job(prompts, req.n, limits, stop, kwargs, want_logprobs=top_logprobs is not None)
+
+    def _generation_config(self, req: Any) -> GenerationConfig:
+        config = copy.deepcopy(self.generation_config)
+        if req.temperature is not None:
+            config.do_sample = req.temperature > 0
+            if config.do_sample:
+                config.temperature = req.temperature
+        if req.top_p is not None:
+            config.top_p = req.top_p
+        config.num_return_sequences = 1  # n is n engine requests
+        return config
+
+    def _start(self, job: Job) -> JobRun:
+        num_new = len(job.prompts) * job.n
+        if self.loop.num_unfinished + num_new > self.settings.max_queue:
+            raise APIError(429, f"the server's queue is full ({self.settings.max_queue} requests); retry later",
+                           None, "queue_full")
+        run = JobRun(job, self.loop, self.tokenizer)
+        run.submit()
+        return run
+
+
+# --------------------------------------------------------------------------------- responses
+async def _json(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}", None, "invalid_json") from None
+
+
+async def _collect(run: JobRun, request: Request) -> list[ChoiceEvent]:
+    """Every event of ``run``; if the client disconnects first, abort it (no response to send)."""
+
+    async def consume() -> list[ChoiceEvent]:
+        return [event async for event in run.events()]
+
+    task = asyncio.ensure_future(consume())
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():  # the client left (or we are cancelled): stop generating for it
+            task.cancel()
+            run.abort()
+    if not task.done():
+        raise APIError(499, "client disconnected")
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _usage(job: Job) -> dict[str, int]:
+    prompt, completion = job.num_prompt_tokens, job.num_completion_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _completion_logprobs(entries: list[TokenInfo], shift: int) -> dict[str, Any]:
+    return {
+        "tokens": [e.text for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [dict(e.top) for e in entries],
+        "text_offset": [shift + e.offset for e in entries],
+    }
+
+
+def _chat_logprobs(entries: list[TokenInfo]) -> dict[str, Any]:
+    content = []
+    for e in entries:
+        top = [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in e.top]
+        content.append({"token": e.text, "logprob": e.logprob, "bytes": list(e.text.encode()), "top_logprobs": top})
+    return {"content": content, "refusal": None}
+
+
+def _sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk)}\n\n"
+        except APIError as exc:  # headers are sent: the error goes in the stream, as OpenAI does
+            yield f"data: {json.dumps(exc.body())}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _completion_chunks(
+    run: JobRun, meta: dict[str, Any], echo: list[str], usage: bool
+) -> AsyncIterator[dict[str, Any]]:
+    base = {**meta, "object": "text_completion"}
+    extra = {"usage": None} if usage else {}
+    for choice in run.job.choices:
+        if echo[choice.prompt_index]:
+            yield {**base, "choices": [{"index": choice.index, "text": echo[choice.prompt_index], "logprobs": None,
+                                        "finish_reason": None}], **extra}
+    async for event in run.events():
+        if not (event.text or event.logprobs or event.finish_reason):
+            continue
+        shift = len(echo[event.choice.prompt_index])
+        logprobs = _completion_logprobs(event.logprobs, shift) if run.job.want_logprobs else None
+        choice = {"index": event.choice.index, "text": event.text, "logprobs": logprobs,
+                  "finish_reason": event.finish_reason}
+        yield {**base, "choices": [choice], **extra}
+    if usage:
+        yield {**base, "choices": [], "usage": _usage(run.job)}
+
+
+async def _chat_chunks(run: JobRun, meta: dict[str, Any], usage: bool) -> AsyncIterator[dict[str, Any]]:
+    base = {**meta, "object": "chat.completion.chunk"}
+    extra = {"usage": None} if usage else {}
+    for choice in run.job.choices:
+        first = {"index": choice.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None}
+        yield {**base, "choices": [first], **extra}
+    async for event in run.events():
+        if not (event.text or event.logprobs or event.finish_reason):
+            continue
+        logprobs = _chat_logprobs(event.logprobs) if run.job.want_logprobs else None
+        delta = {"content": event.text} if event.text else {}
+        choice = {"index": event.choice.index, "delta": delta, "logprobs": logprobs,
+                  "finish_reason": event.finish_reason}
+        yield {**base, "choices": [choice], **extra}
+    if usage:
+        yield {**base, "choices": [], "usage": _usage(run.job)}
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)

@@ -1,0 +1,152 @@
+"""One HTTP request's engine requests (``n`` choices per prompt) and the events they produce.
+
+A job submits every choice to the engine loop, then turns the engine's outputs into
+``ChoiceEvent``s: the text delta that is safe to send, the log-probabilities of the new tokens,
+and an OpenAI ``finish_reason`` on the last one. Whatever way the consumer stops listening
+(finished, client gone, server stopping), the choices still running are aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .engine_loop import EngineLoop
+from .protocol import APIError
+from .text import IncrementalText, make_decoder
+
+# The engine's finish reasons in OpenAI's words: "stop" for EOS and stop strings, "length" for max_tokens.
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+@dataclass
+class Choice:
+    index: int
+    prompt_index: int
+    text: IncrementalText
+    request_id: str = ""
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    offset: int = 0  # characters of the tokens seen so far, for logprobs' text_offset and trimming
+
+
+@dataclass(slots=True)
+class TokenInfo:
+    """One generated token's log-probability, as OpenAI's logprobs show it."""
+
+    text: str  # the token decoded on its own
+    logprob: float
+    offset: int  # where it starts in the choice's text
+    top: list[tuple[str, float]]  # the k best alternatives, best first
+
+
+@dataclass
+class ChoiceEvent:
+    choice: Choice
+    text: str
+    logprobs: list[TokenInfo] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class Job:
+    """``prompts`` x ``n`` engine requests with the same sampling settings.
+
+    ``engine_kwargs`` go to ``engine.add_request`` (generation_config, logprobs, seed, tokenizer);
+    a ``seed`` is offset by the choice's index so that ``n`` seeded choices differ.
+    """
+
+    prompts: list[list[int]]
+    n: int
+    max_tokens: list[int]
+    stop: list[str]
+    engine_kwargs: dict[str, Any]
+    want_logprobs: bool = False
+    choices: list[Choice] = field(default_factory=list)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.choices)
+
+
+class JobRun:
+    """``job`` on the engine: ``submit`` (raises APIError, queues nothing on failure), then
+    iterate ``events`` until every choice has finished. Choices left unfinished when ``events``
+    stops (client gone, task cancelled) or on ``abort`` are aborted in the engine."""
+
+    def __init__(self, job: Job, loop: EngineLoop, tokenizer: Any) -> None:
+        self.job = job
+        self.loop = loop
+        self.decode = make_decoder(tokenizer)
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def submit(self) -> None:
+        job = self.job
+        try:
+            for p, prompt in enumerate(job.prompts):
+                for j in range(job.n):
+                    choice = Choice(len(job.choices), p, IncrementalText(self.decode, job.stop))
+                    kwargs = dict(job.engine_kwargs)
+                    if kwargs.get("seed") is not None:
+                        kwargs["seed"] += j
+                    choice.request_id = self.loop.submit(
+                        prompt, self.queue, choice, max_new_tokens=job.max_tokens[p], **kwargs
+                    )
+                    job.choices.append(choice)
+        except (ValueError, NotImplementedError) as exc:  # the engine refused it: the whole request fails
+            self.abort()
+            raise APIError(400, str(exc), None, "invalid_request") from None
+        except RuntimeError as exc:  # shutting down
+            self.abort()
+            raise APIError(503, str(exc), None, "shutting_down") from None
+
+    async def events(self) -> AsyncIterator[ChoiceEvent]:
+        try:
+            num_open = len(self.job.choices)
+            while num_open:
+                choice, out = await self.queue.get()
+                if choice.finish_reason is not None:
+                    continue  # stopped by a stop sequence; the engine had a step more in flight
+                event = _event(choice, out, self.decode)
+                if event.finish_reason is not None:
+                    num_open -= 1
+                    if not out.finished:  # our stop sequence ended it before the engine knew
+                        self.loop.abort(choice.request_id)
+                yield event
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        for choice in self.job.choices:
+            if choice.finish_reason is None:
+                choice.finish_reason = "abort"
+                self.loop.abort(choice.request_id)
+
+
+def _event(choice: Choice, out: Any, decode: Callable[[list[int]], str]) -> ChoiceEvent:
+    if out.finish_reason == "error":
+        raise APIError(500, f"generation failed: {out.error}", code="generation_error")
+    if out.finish_reason == "abort":
+        raise APIError(503, "the request was aborted (the server is shutting down)", code="aborted")
+    choice.num_tokens = len(out.output_ids)
+    delta = choice.text.add(out.new_ids, final=out.finished)
+    event = ChoiceEvent(choice, delta)
+    if choice.text.stopped:
+        choice.finish_reason = "stop"
+    elif out.finished:
+        choice.finish_reason = FINISH_REASONS.get(out.finish_reason, "stop")
+    event.finish_reason = choice.finish_reason
+    if getattr(out, "logprobs", None) and out.new_ids:
+        for entry in out.logprobs[-len(out.new_ids) :]:
+            token = decode([entry.token_id])
+            if choice.offset < len(choice.text.text) or not choice.text.stopped:  # drop what the stop cut off
+                top = [(decode([t]), lp) for t, lp in entry.top]
+                event.logprobs.append(TokenInfo(token, entry.logprob, choice.offset, top))
+            choice.offset += len(token)
+    return event
