@@ -60,6 +60,8 @@ def paged_attention_forward(
     window = (sliding_window - 1, sliding_window - 1) if sliding_window else (-1, -1)
     options = dict(softmax_scale=scale, causal=True, window_size=window, softcap=softcap or 0.0, sinks=s_aux)
     q = query[0].transpose(0, 1)  # [N, H, D]
+    if getattr(meta.backend, "STEP_MEMO", False):  # the backend reuses per-step work across layers
+        options["memo"] = meta.memo
     if meta.is_decode:
         out = meta.backend.paged_decode_attention(
             q.unsqueeze(1),  # [B, 1, H, D]: one token per request

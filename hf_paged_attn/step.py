@@ -57,6 +57,9 @@ class StepMetadata:
     # Attention groups 1, 2, ... of a hybrid model (layers.py): their own tables (see ``for_group``)
     other_groups: list[GroupTables] = field(default_factory=list, repr=False)
     group_views: dict[int, StepMetadata] = field(default_factory=dict, repr=False)
+    # Layer-independent work a kernel backend keeps for the step (torch backend: gather plans and
+    # buffers); one per group view and device copy, since their tables differ
+    memo: dict = field(default_factory=dict, repr=False)
 
     def for_group(self, group: int) -> StepMetadata:
         """This step as the layers of attention ``group`` see it: their block tables, cache slots
@@ -66,7 +69,9 @@ class StepMetadata:
         view = self.group_views.get(group)
         if view is None:
             tables = self.other_groups[group - 1]
-            view = dataclasses.replace(self, **_shallow(tables), other_groups=[], group_views={}, copies={})
+            view = dataclasses.replace(
+                self, **_shallow(tables), other_groups=[], group_views={}, copies={}, memo={}
+            )
             self.group_views[group] = view
         return view
 
@@ -84,7 +89,7 @@ class StepMetadata:
                 for f in dataclasses.fields(self)
                 if isinstance(value := getattr(self, f.name), torch.Tensor)
             }
-            copy = dataclasses.replace(self, **moved, group_views={})  # shares ``copies``
+            copy = dataclasses.replace(self, **moved, group_views={}, memo={})  # shares ``copies``
             self.copies[device] = copy
         return copy
 

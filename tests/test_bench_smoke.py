@@ -91,3 +91,16 @@ def test_cli_rejects_unknown_command(capsys):
     with pytest.raises(SystemExit):
         cli_main(["nope"])
     assert cli_main([]) == 2
+
+
+def test_profile_breakdown(capsys):
+    """--profile: every step is counted once, its parts add up to it, and each part was really timed."""
+    result = run(["--smoke", "--profile", "--threads", "1"])
+    steps = result["steps"]
+    assert steps["mixed"]["steps"] >= 1 and steps["decode"]["steps"] >= 1  # prefill, then decode steps
+    assert steps["all"]["steps"] == steps["mixed"]["steps"] + steps["decode"]["steps"]
+    for row in steps.values():
+        parts = sum(row[f"{part}_ms"] for part in ("host", "attention", "linear", "other"))
+        assert math.isclose(parts, row["step_ms"], rel_tol=1e-6)
+        assert row["attention_ms"] > 0 and row["linear_ms"] > 0 and row["host_ms"] > 0
+    assert "attention ms" in capsys.readouterr().out

@@ -95,6 +95,25 @@ def test_varlen_matches_reference(shapes: list[tuple[int, int]], opts: dict) -> 
     torch.testing.assert_close(out, expected, **TOL)
 
 
+@settings(max_examples=30, deadline=None)
+@given(shapes=varlen_shapes(), opts=attn_options())
+def test_varlen_memo_across_layers(shapes: list[tuple[int, int]], opts: dict) -> None:
+    """Layers of one step share a memo (StepMetadata.memo): the first builds the buckets, the others
+    reuse them with their own q/k/v, and every layer equals the reference."""
+    gen = torch.Generator().manual_seed(opts["seed"])
+    h_kv, d = opts["num_kv_heads"], opts["head_dim"]
+    h = h_kv * opts["group"]
+    q_lens, k_lens = [s[0] for s in shapes], [s[1] for s in shapes]
+    cu_q, cu_k = _cu(q_lens), _cu(k_lens)
+    kw, memo = _kwargs(opts, h, gen), {}
+    for _ in range(3):
+        q = _randn(gen, sum(q_lens), h, d)  # [total_q, H, D]
+        k, v = _randn(gen, sum(k_lens), h_kv, d), _randn(gen, sum(k_lens), h_kv, d)
+        out = torch_backend.varlen_attention(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), **kw, memo=memo)
+        torch.testing.assert_close(out, reference.varlen_reference(q, k, v, cu_q, cu_k, **kw), **TOL)
+    assert len(memo) == 1  # one plan, made once
+
+
 def test_varlen_explicit_path_chunks_long_queries(monkeypatch: pytest.MonkeyPatch) -> None:
     """The softcap/sinks path chunks queries to bound its score matrix; results must not change."""
     monkeypatch.setattr(torch_backend, "_MAX_SCORES", 500)
@@ -165,9 +184,25 @@ def _check_decode(
     block_size=st.sampled_from([1, 4, 16, 32]),
     opts=attn_options(),
     append=st.booleans(),
+    split=st.booleans(),
 )
-def test_decode_matches_reference(lens: list[int], block_size: int, opts: dict, append: bool) -> None:
-    _check_decode(lens, block_size, opts, append, torch.float32, TOL)
+def test_decode_matches_reference(lens: list[int], block_size: int, opts: dict, append: bool, split: bool) -> None:
+    """``split``: a bucket costs nothing, so requests of different lengths go to separate length buckets."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        if split:
+            monkeypatch.setattr(torch_backend, "BUCKET_OVERHEAD_BYTES", 0)
+        _check_decode(lens, block_size, opts, append, torch.float32, TOL)
+
+
+def test_length_buckets() -> None:
+    """Rows sorted by length are cut where padding to each bucket's longest costs the least."""
+    buckets = torch_backend._length_buckets
+    assert buckets([3, 3, 3], 0) is None  # equal lengths: nothing to save
+    assert buckets([1, 9, 1, 1], 0) == [[0, 2, 3], [1]]
+    assert buckets([1, 9, 1, 1], 24.0) is None  # saves 24 blocks of padding: not worth a bucket of 24
+    assert buckets([1, 9, 1, 1], 23.0) == [[0, 2, 3], [1]]
+    assert buckets([20, 1, 10, 1, 10, 20], 0) == [[1, 3], [2, 4], [0, 5]]  # three buckets at most
+    assert buckets([5], 0) is None
 
 
 def test_decode_worked_example() -> None:
@@ -216,6 +251,51 @@ def test_decode_writes_only_new_slots() -> None:
     q = _randn(gen, 3, 1, 4, d)
     torch_backend.paged_decode_attention(q, k_cache, v_cache, k_new, v_new, lens, table, softmax_scale=0.1)
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lens=st.lists(st.integers(0, 40), min_size=1, max_size=5),
+    block_size=st.sampled_from([1, 4, 8]),
+    opts=attn_options(),
+    append=st.booleans(),
+    num_steps=st.integers(1, 3),
+)
+def test_decode_memo_across_layers_and_steps(
+    lens: list[int], block_size: int, opts: dict, append: bool, num_steps: int
+) -> None:
+    """As the engine calls it: one memo per step (StepMetadata.memo) shared by every layer, each layer
+    with its own pages. Every layer of every step equals the reference, and all layers' pages point to
+    one gather workspace that the steps reuse."""
+    gen = torch.Generator().manual_seed(opts["seed"])
+    h_kv, d = opts["num_kv_heads"], opts["head_dim"]
+    h, batch, num_layers = h_kv * opts["group"], len(lens), 3
+    final = [n + append * num_steps for n in lens]  # room for every appended token
+    k_cache, v_cache, table, _, _ = _paged_case(gen, final, block_size, h_kv, d, 1, torch.float32)
+    caches = [(k_cache, v_cache)]
+    for _ in range(num_layers - 1):  # same block table, other contents
+        caches.append((_randn(gen, *k_cache.shape), _randn(gen, *k_cache.shape)))
+    kw = _kwargs(opts, h, gen)
+    workspaces = []
+    for step in range(num_steps):
+        before = [n + append * step for n in lens]  # tokens cached before this step
+        seqlens, memo = torch.tensor(before, dtype=torch.int32), {}
+        for k_cache, v_cache in caches:
+            q = _randn(gen, batch, 1, h, d)
+            k_new = _randn(gen, batch, 1, h_kv, d) if append else None
+            v_new = _randn(gen, batch, 1, h_kv, d) if append else None
+            out = torch_backend.paged_decode_attention(
+                q, k_cache, v_cache, k_new, v_new, seqlens, table, **kw, memo=memo
+            )
+            for b, n in enumerate(before):
+                keys = reference.gather_pages(k_cache, table[b], n + append)
+                values = reference.gather_pages(v_cache, table[b], n + append)
+                if append:
+                    assert torch.equal(keys[-1], k_new[b, 0]) and torch.equal(values[-1], v_new[b, 0])
+                torch.testing.assert_close(out[b], reference.attend_one(q[b], keys, values, **kw), **TOL)
+        workspaces += [getattr(k_cache, "_hf_paged_workspace", None) for k_cache, _ in caches]
+    if max(final) > 0:  # some step gathered keys: one workspace, shared by all layers and steps
+        assert workspaces[0] is not None and all(w is workspaces[0] for w in workspaces)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -268,6 +348,8 @@ def _check_cascade(
     monkeypatch: pytest.MonkeyPatch, tree: list, cut: list, block_size: int, opts: dict, append: bool, dtype
 ) -> None:
     monkeypatch.setattr(torch_backend, "CASCADE_MIN_TOKENS", 1)
+    if opts["seed"] % 2:  # the unshared rows in length buckets of their own
+        monkeypatch.setattr(torch_backend, "BUCKET_OVERHEAD_BYTES", 0)
     opts = {**opts, "window_size": (-1, opts["window_size"][1])}  # the cascade needs no left window
     gen = torch.Generator().manual_seed(opts["seed"])
     h_kv, d = opts["num_kv_heads"], opts["head_dim"]
@@ -298,11 +380,13 @@ def _check_cascade(
     q = _randn(gen, len(rows), 1, h, d, dtype=dtype)
     kw = _kwargs(opts, h, gen)
     calls = []
-    cascade = torch_backend._decode_cascade
-    monkeypatch.setattr(torch_backend, "_decode_cascade", lambda *a, **k: calls.append(a[5]) or cascade(*a, **k))
-    out = torch_backend.paged_decode_attention(
-        q, k_cache, v_cache, k_new, v_new, torch.tensor(lens, dtype=torch.int32), table, **kw
-    )
+    plan = torch_backend._cascade_plan
+    monkeypatch.setattr(torch_backend, "_cascade_plan", lambda *a, **k: calls.append(a[2]) or plan(*a, **k))
+    seqlens, memo = torch.tensor(lens, dtype=torch.int32), {}
+    out = torch_backend.paged_decode_attention(q, k_cache, v_cache, k_new, v_new, seqlens, table, **kw, memo=memo)
+    # A second layer of the same step (same memo): the plan is reused, not rebuilt, and the output is the same.
+    again = torch_backend.paged_decode_attention(q, k_cache, v_cache, k_new, v_new, seqlens, table, **kw, memo=memo)
+    assert len(calls) <= 1 and torch.equal(again, out)
     tol = TOL if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     for b, n in enumerate(lens):
         keys = reference.gather_pages(k_cache, table[b], n + append)  # after the append, if any

@@ -4,6 +4,7 @@
     python -m hf_paged_attn.bench --workload uniform       # 64 requests (several minutes on 2 cores)
     python -m hf_paged_attn.bench --workload shared-prefix
     python -m hf_paged_attn.bench --workload scale [--with-baselines]
+    python -m hf_paged_attn.bench --profile                # engine only: ms per step by part
     python -m hf_paged_attn.bench --serve [--model random]  # HTTP: our server vs transformers serve
 
 Writes OUT/<workload>.json and OUT/<workload>_throughput.png. OUT is --out, by default a folder in the
@@ -55,6 +56,13 @@ def parse_args(argv: list[str] | None = None, prog: str = PROG) -> argparse.Name
     parser.add_argument("--requests", type=int, help="override the number of requests (quick runs)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument(
+        "--profile", action="store_true",
+        help="profile the engine alone at the first --concurrency level (default the headline): per-step "
+        "host, attention, linear and other milliseconds (hf_paged_attn/bench/profile.py); writes nothing",
+    )
+    parser.add_argument("--profile-ops", type=int, default=0, metavar="N",
+                        help="with --profile: also torch.profiler's N most expensive ops (a second run)")
     parser.add_argument("--serve", action="store_true", help="benchmark the HTTP servers instead (--serve --help)")
     return parser.parse_args(argv)
 
@@ -76,6 +84,13 @@ def run(argv: list[str] | None = None, prog: str = PROG) -> dict[str, Any]:
             file=sys.stderr,
         )
     work = build_workload(args)
+    if args.profile:
+        from .profile import print_profile, profile_workload
+
+        level = int(args.concurrency.split(",")[0]) if args.concurrency else work.headline["continuous"]
+        result = profile_workload(work, level, threads=args.threads, ops=args.profile_ops)
+        print_profile(result)
+        return result
     if args.systems:
         systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     else:

@@ -7,10 +7,15 @@ Design (measured on CPU, see ``benchmarks/kernels_cpu.py``):
   of the packed tensors; decode-like rows (q_len 1) of a mixed batch share a call with the rows of
   similar context length, and prefill chunks of one length likewise, so nothing pads to the longest.
   Padding inside a bucket is at most 2x on the key axis and is masked out.
-* decode: the block table gathers every request's pages into [batch, max_len, H_kv, D] in one
-  indexing op, a length/window mask hides the tail, and one batched attention call does the rest.
-  The query heads that share a kv head are folded into the query axis ([B, H_kv, group, D]), which
-  runs 2-3x faster than SDPA's ``enable_gqa`` for a single query token.
+* decode: requests are cut into at most three buckets of similar length; each bucket's pages are
+  gathered into [bucket, its max_len, H_kv, D] in one indexing op, a length/window mask hides the
+  tail, and one batched attention call does the rest. The query heads that share a kv head are
+  folded into the query axis ([B, H_kv, group, D]), which runs 2-3x faster than SDPA's
+  ``enable_gqa`` for a single query token. Everything that depends only on the block table and
+  lengths (append slots, buckets, gather indices, masks, cascade groups) is computed by the first
+  layer of a step and kept in the step's ``memo`` for the others, and on CPU the gathers go into one
+  reused workspace: a fresh multi-MiB tensor per layer was page-faulted (zero-filled) by the kernel
+  on every call. One step's decode attention ran 3-4x faster than before (``benchmarks/decode_step_cpu.py``).
 * decode with shared prefixes (cascade): requests whose leading blocks are the same physical
   blocks (prefix caching, ``num_return_sequences`` forks) gather those blocks once per group and
   attend to them with one matmul; each request then gathers only the blocks after the shared ones,
@@ -22,10 +27,14 @@ Design (measured on CPU, see ``benchmarks/kernels_cpu.py``):
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 _MAX_SCORES = 1 << 25  # fp32 elements of one explicit score chunk (128 MiB)
+STEP_MEMO = True  # paged_decode_attention takes ``memo=`` (StepMetadata.memo): see its docstring
 
 
 def _visible(
@@ -133,6 +142,42 @@ def _group_mask(
     return _visible(q_pos, k_pos, k_len, causal, tuple(window)).unsqueeze(1), False
 
 
+@dataclass(slots=True)
+class _Bucket:
+    """Requests attended in one padded call: their rows in the packed tensors and their mask."""
+
+    q_len: int
+    n: int  # requests
+    width: int  # keys per request after padding
+    q_rows: slice | torch.Tensor  # [n * q_len] packed query rows
+    k_rows: slice | torch.Tensor  # [n * width] packed key rows (padding repeats a request's last key)
+    mask: torch.Tensor | None  # bool [n, 1, q_len, width]
+    is_causal: bool
+
+
+def _varlen_plan(
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, causal: bool, window: tuple[int, int]
+) -> tuple[list[_Bucket], bool]:
+    """The buckets of a packed batch, and whether they cover every query row (else the rest are zeros)."""
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    device = cu_seqlens_q.device
+    groups: dict[tuple[int, int], list[int]] = {}
+    for b in range(len(cu_q) - 1):
+        q_len, k_len = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
+        if q_len > 0 and k_len > 0:  # no keys: the zeros below are the answer
+            groups.setdefault((q_len, k_len.bit_length()), []).append(b)
+    buckets = []
+    for (q_len, _), reqs in groups.items():
+        k_lens = [cu_k[b + 1] - cu_k[b] for b in reqs]
+        width, n = max(k_lens), len(reqs)
+        q_rows = _rows([cu_q[b] for b in reqs], [q_len] * n, q_len, device)
+        k_rows = _rows([cu_k[b] for b in reqs], k_lens, width, device)
+        mask, is_causal = _group_mask(q_len, k_lens, width, causal, window, device)
+        buckets.append(_Bucket(q_len, n, width, q_rows, k_rows, mask, is_causal))
+    covered = sum(b.n * b.q_len for b in buckets) == cu_q[-1]
+    return buckets, covered
+
+
 def varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -147,53 +192,247 @@ def varlen_attention(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    memo: dict | None = None,
 ) -> torch.Tensor:
     """Packed variable-length attention (flash-attn ``flash_attn_varlen_func`` semantics).
 
     q [total_q, H, D]; k, v [total_k, H_kv, D]; cu_seqlens_q / cu_seqlens_k int32 [batch + 1];
     sinks [H] -> [total_q, H, D] in q.dtype. ``max_seqlen_*`` are accepted for API parity only.
+    ``memo``: a dict that lives for one step, as in ``paged_decode_attention`` (the bucketing, row
+    indices and masks are made by the first layer); every call of a step passes the same cu_seqlens.
     """
-    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    groups: dict[tuple[int, int], list[int]] = {}
-    for b in range(len(cu_q) - 1):
-        q_len, k_len = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
-        if q_len > 0 and k_len > 0:  # no keys: the zeros below are the answer
-            groups.setdefault((q_len, k_len.bit_length()), []).append(b)
-    out = torch.zeros_like(q)  # [total_q, H, D]
+    key = ("varlen", causal, tuple(window_size))
+    plan = memo.get(key) if memo is not None else None
+    if plan is None:
+        plan = _varlen_plan(cu_seqlens_q, cu_seqlens_k, causal, tuple(window_size))
+        if memo is not None:
+            memo[key] = plan
+    buckets, covered = plan
+    out = torch.empty_like(q) if covered else torch.zeros_like(q)  # [total_q, H, D]
     h, d = q.shape[1], q.shape[2]
-    for (q_len, _), reqs in groups.items():
-        k_lens = [cu_k[b + 1] - cu_k[b] for b in reqs]
-        width, n = max(k_lens), len(reqs)
-        q_rows = _rows([cu_q[b] for b in reqs], [q_len] * n, q_len, q.device)
-        k_rows = _rows([cu_k[b] for b in reqs], k_lens, width, q.device)
-        qp = q[q_rows].unflatten(0, (n, q_len)).transpose(1, 2)  # [B, H, Lq, D]
-        kp = k[k_rows].unflatten(0, (n, width)).transpose(1, 2)  # [B, H_kv, Lk, D]
-        vp = v[k_rows].unflatten(0, (n, width)).transpose(1, 2)  # [B, H_kv, Lk, D]
-        mask, is_causal = _group_mask(q_len, k_lens, width, causal, window_size, q.device)
-        res = _attend(qp, kp, vp, mask, is_causal, softmax_scale, softcap, sinks)  # [B, H, Lq, D]
-        out[q_rows] = res.transpose(1, 2).reshape(n * q_len, h, d).to(q.dtype)  # [B * Lq, H, D]
+    for bucket in buckets:
+        n, q_len, width = bucket.n, bucket.q_len, bucket.width
+        qp = q[bucket.q_rows].unflatten(0, (n, q_len)).transpose(1, 2)  # [B, H, Lq, D]
+        kp = k[bucket.k_rows].unflatten(0, (n, width)).transpose(1, 2)  # [B, H_kv, Lk, D]
+        vp = v[bucket.k_rows].unflatten(0, (n, width)).transpose(1, 2)  # [B, H_kv, Lk, D]
+        res = _attend(qp, kp, vp, bucket.mask, bucket.is_causal, softmax_scale, softcap, sinks)  # [B, H, Lq, D]
+        out[bucket.q_rows] = res.transpose(1, 2).reshape(n * q_len, h, d).to(q.dtype)  # [B * Lq, H, D]
     return out
 
 
-def _append(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    pos: torch.Tensor,
-    block_table: torch.Tensor,
-) -> None:
-    """Write the new token of each request in place at its absolute position ``pos`` [B].
-
-    caches [num_blocks, block_size, H_kv, D]; k, v [B, 1, H_kv, D]. The block must be allocated.
-    """
-    block_size = k_cache.shape[1]
-    blocks = block_table.gather(1, (pos // block_size).view(-1, 1)).view(-1).long()  # [B]
-    k_cache[blocks, pos % block_size] = k[:, 0].to(k_cache.dtype)  # [B, H_kv, D] into B slots
-    v_cache[blocks, pos % block_size] = v[:, 0].to(v_cache.dtype)
-
-
 CASCADE_MIN_TOKENS = 32  # shared tokens below which a group is not worth its own matmul
+WORKSPACE_HEADROOM = 1.25  # a decode step's gather grows by a token per request: grow buffers ahead of it
+# Fixed cost of one more length bucket in the plain decode path (indexing, two gathers, one SDPA call,
+# the scatter of its rows), in bytes of K/V it would take to gather and attend to in that time
+# (~100 us at ~5 GB/s on the 2-core CPU of benchmarks/README.md).
+BUCKET_OVERHEAD_BYTES = 1 << 19
+MAX_BUCKETS = 3
+
+
+@dataclass(slots=True)
+class _PlainPlan:
+    """Layer-independent tensors of one length bucket of the plain decode path (one gather of its
+    requests' pages, padded to its longest request)."""
+
+    rows: torch.Tensor | None  # [B_bucket] the bucket's rows of the batch; None: every row, in order
+    pages: torch.Tensor | None  # [B * n_blocks] int64 block ids, -1 clamped to 0 (masked); None: no keys at all
+    length: int  # L = n_blocks * block_size, keys per request after the gather
+    mask: torch.Tensor | None  # bool [B, 1, 1, L]: which gathered keys each request sees
+    blank: torch.Tensor | None  # bool [B, 1, 1, 1]: requests that see no key (output zeros); None if none
+
+
+@dataclass(slots=True)
+class _CascadePlan:
+    """Layer-independent tensors of the cascade path (see ``_decode_cascade``)."""
+
+    alone: torch.Tensor | None  # [B_alone] rows in no group, attended by the plain path
+    alone_plan: list[_PlainPlan] | None
+    rows: torch.Tensor  # [G] rows that share, group after group
+    pages: torch.Tensor  # [G * width] each grouped row's blocks after its group's shared ones
+    length: int  # width * block_size
+    visible: torch.Tensor  # bool [G, 1, 1, length]
+    groups: list[tuple[slice, torch.Tensor]]  # (span of ``rows``, the group's shared block ids)
+
+
+@dataclass(slots=True)
+class _DecodePlan:
+    """Everything a decode step computes once for all its layers (``memo``): lengths, append slots, gather
+    indices, masks and the cascade grouping depend on the block table and lengths only, never on the layer."""
+
+    lens: torch.Tensor  # [B] int64 tokens attended per request (the appended one included)
+    slots: torch.Tensor | None  # [B] int64 flat cache slot of each appended token
+    plain: list[_PlainPlan] | None  # length buckets
+    cascade: _CascadePlan | None
+
+
+def _length_buckets(num_blocks: list[int], overhead: float) -> list[list[int]] | None:
+    """Rows grouped into at most ``MAX_BUCKETS`` buckets of similar length, or None for one bucket.
+
+    Each bucket gathers and attends ``rows x its longest row`` blocks, so one bucket pads every request to
+    the batch's longest (about half the work is padding when lengths are spread evenly). Rows sorted by
+    length are cut where ``sum(rows * longest) + overhead * buckets`` (in blocks) is smallest.
+    """
+    b = len(num_blocks)
+    if b < 2:
+        return None
+    order = sorted(range(b), key=num_blocks.__getitem__)
+    s = torch.tensor([num_blocks[r] for r in order], dtype=torch.float64)  # [B] ascending
+    top = float(s[-1])
+    cut = torch.arange(1, b, dtype=torch.float64)  # [B - 1] first row of the last bucket
+    best, cuts = b * top, []
+    two = cut * s[:-1] + (b - cut) * top  # [B - 1] cost with a cut before row i
+    i = int(two.argmin())
+    if float(two[i]) + overhead < best:
+        best, cuts = float(two[i]) + overhead, [i + 1]
+    if MAX_BUCKETS >= 3 and b >= 3:
+        first, second = cut.view(-1, 1), cut.view(1, -1)  # [B - 1, 1], [1, B - 1]: cuts i < j
+        three = first * s[:-1].view(-1, 1) + (second - first) * s[:-1].view(1, -1) + (b - second) * top
+        three = three.masked_fill(first >= second, float("inf"))  # [B - 1, B - 1]
+        flat = int(three.argmin())
+        if float(three.view(-1)[flat]) + 2 * overhead < best:
+            cuts = [flat // (b - 1) + 1, flat % (b - 1) + 1]
+    if not cuts:
+        return None
+    bounds = [0, *cuts, b]
+    return [order[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
+
+
+def _plain_plan(
+    lens: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    causal: bool,
+    window: tuple[int, int],
+    block_bytes: int,
+) -> list[_PlainPlan]:
+    """The plain path's buckets. ``block_bytes``: K and V bytes of one block, to weigh a bucket's overhead."""
+    lens_list = lens.tolist()
+    groups = _length_buckets([-(-n // block_size) for n in lens_list], BUCKET_OVERHEAD_BYTES / block_bytes)
+    if groups is None:
+        return [_bucket_plan(None, lens, block_table, block_size, causal, window)]
+    plans = []
+    for rows in groups:
+        idx = torch.tensor(rows, device=lens.device)
+        plans.append(_bucket_plan(idx, lens[idx], block_table[idx], block_size, causal, window))
+    return plans
+
+
+def _bucket_plan(
+    rows: torch.Tensor | None,
+    lens: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    causal: bool,
+    window: tuple[int, int],
+) -> _PlainPlan:
+    max_len = int(lens.max()) if lens.numel() else 0
+    if max_len == 0:
+        return _PlainPlan(rows, None, 0, None, None)
+    pages = block_table[:, : -(-max_len // block_size)].long().clamp_min(0)  # [B, n_blocks]; -1 masked below
+    length = pages.shape[1] * block_size
+    k_len = lens.view(-1, 1, 1)  # [B, 1, 1]
+    k_pos = torch.arange(length, device=lens.device)  # [L]
+    mask = _visible(k_len - 1, k_pos, k_len, causal, tuple(window)).unsqueeze(1)  # [B, 1, 1, L]
+    blank = ~mask.any(dim=-1, keepdim=True)  # [B, 1, 1, 1]
+    return _PlainPlan(rows, pages.flatten(), length, mask, blank if bool(blank.any()) else None)
+
+
+def _cascade_plan(
+    lens: torch.Tensor,
+    block_table: torch.Tensor,
+    groups: list[tuple[list[int], int]],
+    block_size: int,
+    causal: bool,
+    window: tuple[int, int],
+    block_bytes: int,
+) -> _CascadePlan:
+    device = lens.device
+    grouped = [r for rows, _ in groups for r in rows]
+    alone = sorted(set(range(lens.shape[0])) - set(grouped))
+    alone_idx = torch.tensor(alone, device=device) if alone else None
+    alone_plan = None
+    if alone:
+        alone_plan = _plain_plan(lens[alone_idx], block_table[alone_idx], block_size, causal, window, block_bytes)
+    rows = torch.tensor(grouped, device=device)  # [G]
+    n = len(grouped)
+    skip = torch.tensor([shared for members, shared in groups for _ in members], device=device).view(n, 1)  # [G, 1]
+    rest = lens[rows].view(n, 1) - skip * block_size  # [G, 1] tokens after the shared blocks (>= 0)
+    width = max(int(-(-rest.max() // block_size)), 1)
+    cols = (skip + torch.arange(width, device=device)).clamp_max(block_table.shape[1] - 1)  # [G, width]
+    pages = block_table[rows].long().gather(1, cols).clamp_min(0).flatten()  # [G * width]; masked below
+    visible = (torch.arange(width * block_size, device=device) < rest).view(n, 1, 1, -1)  # [G, 1, 1, L]
+    spans, start = [], 0
+    for members, shared in groups:
+        spans.append((slice(start, start + len(members)), block_table[members[0], :shared].long()))
+        start += len(members)
+    return _CascadePlan(alone_idx, alone_plan, rows, pages, width * block_size, visible, spans)
+
+
+def _decode_plan(
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    appended: bool,
+    causal: bool,
+    window: tuple[int, int],
+    block_bytes: int,
+) -> _DecodePlan:
+    lens = cache_seqlens.long()  # [B]
+    slots = None
+    if appended:
+        blocks = block_table.gather(1, (lens // block_size).view(-1, 1)).view(-1).long()  # [B]; must be allocated
+        slots = blocks * block_size + lens % block_size  # [B]
+        lens = lens + 1
+    max_len = int(lens.max()) if lens.numel() else 0
+    if max_len >= CASCADE_MIN_TOKENS and window[0] < 0:  # a window would cut into shared blocks
+        groups = _shared_prefixes(block_table, lens.tolist(), block_size)
+        if groups:
+            cascade = _cascade_plan(lens, block_table, groups, block_size, causal, window, block_bytes)
+            return _DecodePlan(lens, slots, None, cascade)
+    return _DecodePlan(lens, slots, _plain_plan(lens, block_table, block_size, causal, window, block_bytes), None)
+
+
+def _workspace(memo: dict | None, k_cache: torch.Tensor) -> dict | None:
+    """Reusable gather buffers on CPU, or None. A fresh multi-MiB tensor per layer is mmap'd and
+    page-faulted (zero-filled by the kernel) on every call with glibc's malloc, which made the decode
+    attention of the bundled model ~5x slower than its arithmetic. The step's memo shares one
+    workspace among the layers, and every layer's ``k_cache`` keeps a reference to it, so it lives
+    exactly as long as the cache and the next step finds it again."""
+    if memo is None or k_cache.device.type != "cpu":
+        return None  # CUDA's caching allocator already reuses memory
+    workspace = memo.get("workspace")
+    if workspace is None:
+        workspace = getattr(k_cache, "_hf_paged_workspace", None)
+        memo["workspace"] = workspace = {} if workspace is None else workspace
+    if getattr(k_cache, "_hf_paged_workspace", None) is not workspace:
+        k_cache._hf_paged_workspace = workspace
+    return workspace
+
+
+def _gather(cache: torch.Tensor, pages: torch.Tensor, workspace: dict | None, name: str) -> torch.Tensor:
+    """``cache.index_select(0, pages)`` -> [len(pages), block_size, H_kv, D], into a workspace buffer if given."""
+    if workspace is None:
+        return cache.index_select(0, pages)  # whole pages (memcpy); advanced indexing is ~5-20x slower on CPU
+    shape = (pages.numel(), *cache.shape[1:])
+    numel = math.prod(shape)
+    key = (name, cache.dtype)
+    buffer = workspace.get(key)
+    if buffer is None or buffer.numel() < numel:
+        buffer = workspace[key] = torch.empty(int(numel * WORKSPACE_HEADROOM), dtype=cache.dtype, device=cache.device)
+    return torch.index_select(cache, 0, pages, out=buffer[:numel].view(shape))
+
+
+def _append(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Write the new token of each request in place at its flat slot [B]. caches [num_blocks, block_size,
+    H_kv, D]; k, v [B, 1, H_kv, D]."""
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        if cache.is_contiguous():
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, new[:, 0].to(cache.dtype))  # [B, H_kv, D]
+        else:
+            block_size = cache.shape[1]
+            cache[slots // block_size, slots % block_size] = new[:, 0].to(cache.dtype)
 
 
 def _shared_prefixes(block_table: torch.Tensor, lens: list[int], block_size: int) -> list[tuple[list[int], int]]:
@@ -254,56 +493,43 @@ def _decode_cascade(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    lens: torch.Tensor,
-    block_table: torch.Tensor,
-    groups: list[tuple[list[int], int]],
+    plan: _CascadePlan,
     scale: float,
     softcap: float,
     sinks: torch.Tensor | None,
+    workspace: dict | None,
 ) -> torch.Tensor:
     """Decode attention of grouped requests as (their group's shared blocks) + (their own blocks),
     merged by log-sum-exp; requests in no group take the plain path.
 
-    q [B, 1, H, D]; k_cache, v_cache [num_blocks, block_size, H_kv, D]; lens [B]: tokens per request
-    (the new one included). Returns [B, 1, H, D] in q.dtype.
+    q [B, 1, H, D]; k_cache, v_cache [num_blocks, block_size, H_kv, D]. Returns [B, 1, H, D] in q.dtype.
     """
     b, _, h, d = q.shape
-    block_size, hk = k_cache.shape[1], k_cache.shape[2]
+    hk = k_cache.shape[2]
     out = torch.empty_like(q)  # [B, 1, H, D]
-    grouped = [r for rows, _ in groups for r in rows]
-    alone = sorted(set(range(b)) - set(grouped))
-    if alone:  # SDPA on their own: the explicit path below is ~3x slower per key
-        idx = torch.tensor(alone, device=q.device)
-        out[idx] = _decode_plain(q[idx], k_cache, v_cache, lens[idx], block_table[idx], scale, softcap, sinks)
+    if plan.alone is not None:  # SDPA on their own: the explicit path below is ~3x slower per key
+        out[plan.alone] = _decode_plain(
+            q[plan.alone], k_cache, v_cache, plan.alone_plan, scale, softcap, sinks, workspace
+        )
 
-    rows_t = torch.tensor(grouped, device=q.device)  # [G] rows that share, group after group
-    n = len(grouped)
-    qf = q[rows_t].reshape(n, hk, h // hk, d).float()  # [G, H_kv, group, D]: heads sharing a kv head
-    skip = torch.tensor([shared for rows, shared in groups for _ in rows], device=q.device).view(n, 1)  # [G, 1]
+    n = plan.rows.shape[0]
+    qf = q[plan.rows].reshape(n, hk, h // hk, d).float()  # [G, H_kv, group, D]: heads sharing a kv head
 
     # Part B: each grouped request's blocks after the shared ones, gathered per request.
-    rest = lens[rows_t].view(n, 1) - skip * block_size  # [G, 1] tokens after the shared blocks (>= 0)
-    width = max(int(-(-rest.max() // block_size)), 1)
-    cols = (skip + torch.arange(width, device=q.device)).clamp_max(block_table.shape[1] - 1)  # [G, width]
-    pages = block_table[rows_t].long().gather(1, cols).clamp_min(0).flatten()  # [G * width]; masked below
-    shape = (n, width * block_size, hk, d)  # [G, L, H_kv, D]
-    keys = k_cache.index_select(0, pages).view(shape).transpose(1, 2).float()  # [G, H_kv, L, D]
-    values = v_cache.index_select(0, pages).view(shape).transpose(1, 2).float()
-    visible = (torch.arange(width * block_size, device=q.device) < rest).view(n, 1, 1, -1)  # [G, 1, 1, L]
-    part, lse = _partial(qf, keys, values, visible, scale, softcap)  # [G, H_kv, group, D], [G, H_kv, group]
+    shape = (n, plan.length, hk, d)  # [G, L, H_kv, D]
+    keys = _gather(k_cache, plan.pages, workspace, "k").view(shape).transpose(1, 2).float()  # [G, H_kv, L, D]
+    values = _gather(v_cache, plan.pages, workspace, "v").view(shape).transpose(1, 2).float()
+    part, lse = _partial(qf, keys, values, plan.visible, scale, softcap)  # [G, H_kv, group, D], [G, H_kv, group]
 
     # Part A: each group's shared blocks, gathered once; the group's queries side by side in one matmul.
-    start = 0
-    for rows, shared in groups:
-        span = slice(start, start + len(rows))
-        start += len(rows)
-        first = block_table[rows[0], :shared].long()  # [shared] block ids
+    for span, first in plan.groups:
+        members = span.stop - span.start
         ks = k_cache.index_select(0, first).flatten(0, 1).transpose(0, 1).float()  # [H_kv, shared * bs, D]
         vs = v_cache.index_select(0, first).flatten(0, 1).transpose(0, 1).float()
         qg = qf[span].transpose(0, 1).reshape(hk, -1, d)  # [H_kv, n_g * group, D]
         part_a, lse_a = _partial(qg, ks, vs, None, scale, softcap)  # [H_kv, n_g * group, D], [H_kv, n_g * group]
-        part_a = part_a.view(hk, len(rows), -1, d).transpose(0, 1)  # [n_g, H_kv, group, D]
-        lse_a = lse_a.view(hk, len(rows), -1).transpose(0, 1)  # [n_g, H_kv, group]
+        part_a = part_a.view(hk, members, -1, d).transpose(0, 1)  # [n_g, H_kv, group, D]
+        lse_a = lse_a.view(hk, members, -1).transpose(0, 1)  # [n_g, H_kv, group]
         total = torch.logaddexp(lse_a, lse[span])  # [n_g, H_kv, group]; lse_a is finite (full blocks)
         merged = part_a * (lse_a - total).exp().unsqueeze(-1) + part[span] * (lse[span] - total).exp().unsqueeze(-1)
         part[span], lse[span] = merged, total
@@ -311,7 +537,7 @@ def _decode_cascade(
     if sinks is not None:  # a sink logit joins the denominator only: rescale by lse / (lse + sink)
         sink = sinks.float().view(1, hk, h // hk)  # [1, H_kv, group]
         part = part * (lse - torch.logaddexp(lse, sink)).exp().unsqueeze(-1)
-    out[rows_t] = part.reshape(n, 1, h, d).to(q.dtype)  # [G, 1, H, D]
+    out[plan.rows] = part.reshape(n, 1, h, d).to(q.dtype)  # [G, 1, H, D]
     return out
 
 
@@ -319,29 +545,48 @@ def _decode_plain(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    lens: torch.Tensor,
-    block_table: torch.Tensor,
+    buckets: list[_PlainPlan],
     scale: float,
     softcap: float,
     sinks: torch.Tensor | None,
-    causal: bool = True,
-    window_size: tuple[int, int] = (-1, -1),
+    workspace: dict | None,
 ) -> torch.Tensor:
-    """Gather each request's pages and attend in one batched call. q [B, 1, H, D]; lens [B] (the new
-    token included) -> [B, 1, H, D] in q.dtype."""
-    block_size = k_cache.shape[1]
-    max_len = int(lens.max()) if lens.numel() else 0
-    if max_len == 0:
+    """Each length bucket gathers its requests' pages and attends in one batched call.
+    q [B, 1, H, D] -> [B, 1, H, D] in q.dtype."""
+    if len(buckets) == 1 and buckets[0].rows is None:
+        return _decode_bucket(q, k_cache, v_cache, buckets[0], scale, softcap, sinks, workspace)
+    out = torch.empty_like(q)  # [B, 1, H, D]: the buckets cover every row
+    for bucket in buckets:
+        out[bucket.rows] = _decode_bucket(q[bucket.rows], k_cache, v_cache, bucket, scale, softcap, sinks, workspace)
+    return out
+
+
+def _decode_bucket(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: _PlainPlan,
+    scale: float,
+    softcap: float,
+    sinks: torch.Tensor | None,
+    workspace: dict | None,
+) -> torch.Tensor:
+    """One bucket: q [B, 1, H, D] of its rows -> [B, 1, H, D] in q.dtype."""
+    if plan.pages is None:
         return torch.zeros_like(q)
-    pages = block_table[:, : -(-max_len // block_size)].long().clamp_min(0)  # [B, n_blocks]; -1 masked below
-    # index_select copies whole pages (memcpy); plain advanced indexing is ~5-20x slower on CPU
-    shape = (pages.shape[0], -1, *k_cache.shape[2:])  # [B, n_blocks * block_size, H_kv, D]
-    keys = k_cache.index_select(0, pages.flatten()).view(shape).transpose(1, 2)  # [B, H_kv, L, D]
-    values = v_cache.index_select(0, pages.flatten()).view(shape).transpose(1, 2)  # [B, H_kv, L, D]
-    k_len = lens.view(-1, 1, 1)  # [B, 1, 1]
-    k_pos = torch.arange(keys.shape[2], device=q.device)  # [L]
-    mask = _visible(k_len - 1, k_pos, k_len, causal, tuple(window_size)).unsqueeze(1)  # [B, 1, 1, L]
-    out = _attend(q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype), mask, False, scale, softcap, sinks)
+    b, _, h, d = q.shape
+    hk = k_cache.shape[2]
+    shape = (b, plan.length, hk, d)  # [B, L, H_kv, D]
+    keys = _gather(k_cache, plan.pages, workspace, "k").view(shape).transpose(1, 2).to(q.dtype)  # [B, H_kv, L, D]
+    values = _gather(v_cache, plan.pages, workspace, "v").view(shape).transpose(1, 2).to(q.dtype)
+    if softcap > 0 or sinks is not None:
+        out = _explicit(q.transpose(1, 2), keys, values, plan.mask, scale, softcap, sinks)  # [B, H, 1, D]
+    else:  # one query token: the group's heads folded into the query axis, the mask broadcasts as is
+        folded = q.reshape(b, hk, h // hk, d)  # [B, H_kv, group, D]
+        out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=plan.mask, scale=scale)
+        out = out.view(b, h, 1, d)  # [B, H, 1, D]
+    if plan.blank is not None:  # a request that sees no key outputs zeros (flash-attn), never NaN
+        out = out.masked_fill(plan.blank, 0.0)
     return out.transpose(1, 2).to(q.dtype)  # [B, 1, H, D]
 
 
@@ -359,20 +604,30 @@ def paged_decode_attention(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    memo: dict | None = None,
 ) -> torch.Tensor:
     """One-token decode over a paged KV cache (flash-attn ``flash_attn_with_kvcache`` semantics).
 
     q [B, 1, H, D]; k_cache, v_cache [num_blocks, block_size, H_kv, D]; k, v [B, 1, H_kv, D] or None;
     cache_seqlens int32 [B] (length before appending); block_table int32 [B, max_blocks], -1 = unallocated.
-    Returns [B, 1, H, D] in q.dtype.
+    ``memo``: a dict that lives for one step (``StepMetadata.memo``): the layer-independent work (gather
+    indices, masks, cascade groups) is done by the first layer and reused by the others, and the gather
+    buffers are reused across layers and steps. Every call of one step must pass the same
+    ``cache_seqlens`` and ``block_table``. Returns [B, 1, H, D] in q.dtype.
     """
-    lens = cache_seqlens.long()  # [B]
-    if k is not None and v is not None:
-        _append(k_cache, v_cache, k, v, lens, block_table)
-        lens = lens + 1
-    max_len = int(lens.max()) if lens.numel() else 0
-    if max_len >= CASCADE_MIN_TOKENS and window_size[0] < 0:  # a window would cut into shared blocks
-        groups = _shared_prefixes(block_table, lens.tolist(), k_cache.shape[1])
-        if groups:
-            return _decode_cascade(q, k_cache, v_cache, lens, block_table, groups, softmax_scale, softcap, sinks)
-    return _decode_plain(q, k_cache, v_cache, lens, block_table, softmax_scale, softcap, sinks, causal, window_size)
+    appended = k is not None and v is not None
+    key = ("decode", k_cache.shape[1], appended, causal, tuple(window_size))
+    plan = memo.get(key) if memo is not None else None
+    if plan is None:
+        block_bytes = k_cache[0].numel() * k_cache.element_size() + v_cache[0].numel() * v_cache.element_size()
+        plan = _decode_plan(
+            cache_seqlens, block_table, k_cache.shape[1], appended, causal, tuple(window_size), block_bytes
+        )
+        if memo is not None:
+            memo[key] = plan
+    if appended:
+        _append(k_cache, v_cache, k, v, plan.slots)
+    workspace = _workspace(memo, k_cache)
+    if plan.cascade is not None:
+        return _decode_cascade(q, k_cache, v_cache, plan.cascade, softmax_scale, softcap, sinks, workspace)
+    return _decode_plain(q, k_cache, v_cache, plan.plain, softmax_scale, softcap, sinks, workspace)
