@@ -39,7 +39,7 @@ from .step import StepMetadata
 T = TypeVar("T")
 # Workers wait on the control group between requests: as long as a server may idle, not gloo's 30 min.
 IDLE_TIMEOUT = timedelta(days=365)
-_LOCAL_FIELDS = {"backend", "last_layer", "copies", "group_views"}  # StepMetadata fields each rank makes itself
+_LOCAL_FIELDS = {"backend", "last_layer", "copies", "group_views", "memo"}  # StepMetadata fields each rank makes itself
 
 
 # ----------------------------------------------------------------------------- who is what
