@@ -132,7 +132,7 @@ def run_step(channel: ControlChannel, prepare: Callable[[], None], forward: Call
     model, whose collectives pair up across ranks). If any rank raises in either part, every rank
     raises (``RankError``, or rank 0's own exception). An exception raised on one rank only in the
     middle of the forward's collectives can't be caught this way: the other ranks wait in the
-    collective (see docs/tensor_parallel.md)."""
+    collective (see docs/architecture.md, "Tensor parallelism")."""
     channel.check(_attempt(prepare))
     result: list[T] = []
     channel.check(_attempt(lambda: result.append(forward())))

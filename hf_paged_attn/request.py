@@ -90,6 +90,13 @@ class Request:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_slice(self, start: int, n: int) -> list[int]:
+        """``all_ids[start : start + n]`` without building ``all_ids`` (a decode step's one token)."""
+        cut = len(self.prompt_ids)
+        if start >= cut:
+            return self.output_ids[start - cut : start - cut + n]
+        return (self.prompt_ids[start : start + n] + self.output_ids[: max(start + n - cut, 0)])[:n]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

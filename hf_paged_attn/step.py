@@ -135,7 +135,7 @@ def build_step(
         sampled = [start + n == s.request.num_tokens for s, start, n in zip(scheduled, starts, q_lens)]
     token_ids: list[int] = []
     for s, start, n in zip(scheduled, starts, q_lens):
-        token_ids.extend(s.request.all_ids[start : start + n])
+        token_ids.extend(s.request.token_slice(start, n))
 
     q_lens_t = torch.tensor(q_lens)
     rows_q = torch.repeat_interleave(torch.arange(len(scheduled)), q_lens_t)  # [N]
@@ -178,9 +178,8 @@ def _group_tables(
     first query can see (older blocks may already be freed); the causal mask is bottom-right
     aligned, so dropping invisible leading keys changes nothing."""
     tables = [s.request.block_tables[group] for s in scheduled]
-    table = torch.full((len(scheduled), max(map(len, tables))), -1, dtype=torch.int32)
-    for row, blocks in enumerate(tables):
-        table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+    width = max(map(len, tables))
+    table = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)  # [B, width]
     key_starts = [max(start - window + 1, 0) if window else 0 for start in starts]
     k_lens = [start + n - first for start, n, first in zip(starts, q_lens, key_starts)]
     gather_slots = None

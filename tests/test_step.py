@@ -53,3 +53,10 @@ def test_decode_step_uses_decode_path():
     assert step.cache_seqlens.tolist() == [3, 8]
     assert step.slot_mapping.tolist() == [19, 8]
     assert step.logits_indices.tolist() == [0, 1]
+
+
+def test_token_slice_is_a_slice_of_all_ids():
+    r = request([1, 2, 3, 4], output=[5, 6, 7])
+    for start in range(8):
+        for n in range(0, 8 - start):
+            assert r.token_slice(start, n) == r.all_ids[start : start + n], (start, n)
