@@ -13,6 +13,19 @@ VOCAB = 256
 
 
 @pytest.fixture(scope="session")
+def demo():
+    """(tokenizer, paged model, sdpa model) of the bundled demo model: real text."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_paged_attn.demo import DEMO_MODEL
+
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL, padding_side="left")
+    paged = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, attn_implementation="paged").eval()
+    ref = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, attn_implementation="sdpa").eval()
+    return tokenizer, paged, ref
+
+
+@pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory) -> str:
     return save_random_model(tiny_llama_config(), tmp_path_factory.mktemp("tiny_llama"))
 

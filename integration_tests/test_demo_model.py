@@ -2,19 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
+from transformers import TextStreamer
 
-from hf_paged_attn.demo import DEMO_MODEL, main
-
-
-@pytest.fixture(scope="module")
-def demo():
-    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL, padding_side="left")
-    paged = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, attn_implementation="paged").eval()
-    ref = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, attn_implementation="sdpa").eval()
-    return tokenizer, paged, ref
+from hf_paged_attn.demo import main
 
 
 def test_text_streamer_gets_the_returned_text(demo):

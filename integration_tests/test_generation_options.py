@@ -3,22 +3,12 @@ own generate on the bundled demo model (real text, so stop strings occur)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
-from hf_paged_attn.demo import DEMO_MODEL
 
 PROMPTS = ["The for statement", "A list is", "Exceptions are raised when", "The import statement"]
-
-
-@pytest.fixture(scope="module")
-def demo():
-    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL, padding_side="left")
-    paged = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, attn_implementation="paged").eval()
-    ref = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, attn_implementation="sdpa").eval()
-    return tokenizer, paged, ref
 
 
 def one_by_one(model, tok, **kwargs) -> list[list[int]]:
