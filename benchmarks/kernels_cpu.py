@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from hf_paged_attn.blocks import blocks_for
 from hf_paged_attn.kernels import reference, torch_backend
 
 H, H_KV, D, BLOCK = 8, 2, 64, 16
@@ -64,7 +65,7 @@ def bench_varlen(name: str, shapes: list[tuple[int, int]]) -> None:
 
 
 def bench_decode(batch: int, context: int) -> None:
-    per_seq = -(-(context + 1) // BLOCK)
+    per_seq = blocks_for(context + 1, BLOCK)
     num_blocks = batch * per_seq
     table = torch.randperm(num_blocks).view(batch, per_seq).int()  # [B, blocks], shuffled pages
     k_cache, v_cache = torch.randn(num_blocks, BLOCK, H_KV, D), torch.randn(num_blocks, BLOCK, H_KV, D)

@@ -80,7 +80,9 @@ def paged_generate(
         inputs_tensor=input_ids,
         input_ids_length=input_ids.shape[1],
     )
-    model._prepare_special_tokens(config, attention_mask is not None, device=input_device(model))
+    # One prompt needs no mask (nothing is padded): transformers' warning about a missing mask is for batches.
+    has_mask = attention_mask is not None or input_ids.shape[0] == 1
+    model._prepare_special_tokens(config, has_mask, device=input_device(model))
     max_new_tokens = config.max_length - input_ids.shape[1]
     if max_new_tokens <= 0:
         raise ValueError(

@@ -171,3 +171,27 @@ def test_assistant_model_refused(llama_pair):
     ref, paged = llama_pair
     with pytest.raises(NotImplementedError, match="assistant_model"):
         paged.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, assistant_model=ref)
+
+
+def test_one_prompt_without_a_mask_warns_as_little_as_sdpa(tmp_path):
+    """A model with EOS but no pad token: transformers warns about a missing attention mask only for
+    batches; one prompt through the paged generate must not print it either."""
+    import logging
+
+    from hf_paged_attn.devtools.testing import load_pair, save_random_model, tiny_llama_config
+
+    ref, paged = load_pair(save_random_model(tiny_llama_config(pad_token_id=None, eos_token_id=1), tmp_path))
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("transformers.generation.utils")
+    logger.addHandler(handler)
+    try:
+        want = ref.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=3)
+        got = paged.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=3)
+        assert torch.equal(got, want)
+        assert not [r for r in records if "attention mask" in r], records
+        paged.generate(torch.tensor([[3, 4, 5], [6, 7, 8]]), max_new_tokens=3)  # a batch still warns, as sdpa does
+        assert [r for r in records if "attention mask" in r]
+    finally:
+        logger.removeHandler(handler)

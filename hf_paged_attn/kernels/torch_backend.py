@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..blocks import blocks_for
+
 _MAX_SCORES = 1 << 25  # fp32 elements of one explicit score chunk (128 MiB)
 STEP_MEMO = True  # paged_decode_attention takes ``memo=`` (StepMetadata.memo): see its docstring
 
@@ -307,7 +309,7 @@ def _plain_plan(
 ) -> list[_PlainPlan]:
     """The plain path's buckets. ``block_bytes``: K and V bytes of one block, to weigh a bucket's overhead."""
     lens_list = lens.tolist()
-    groups = _length_buckets([-(-n // block_size) for n in lens_list], BUCKET_OVERHEAD_BYTES / block_bytes)
+    groups = _length_buckets([blocks_for(n, block_size) for n in lens_list], BUCKET_OVERHEAD_BYTES / block_bytes)
     if groups is None:
         return [_bucket_plan(None, lens, block_table, block_size, causal, window)]
     plans = []
@@ -328,7 +330,7 @@ def _bucket_plan(
     max_len = int(lens.max()) if lens.numel() else 0
     if max_len == 0:
         return _PlainPlan(rows, None, 0, None, None)
-    pages = block_table[:, : -(-max_len // block_size)].long().clamp_min(0)  # [B, n_blocks]; -1 masked below
+    pages = block_table[:, : blocks_for(max_len, block_size)].long().clamp_min(0)  # [B, n_blocks]; -1 masked below
     length = pages.shape[1] * block_size
     k_len = lens.view(-1, 1, 1)  # [B, 1, 1]
     k_pos = torch.arange(length, device=lens.device)  # [L]
@@ -357,7 +359,7 @@ def _cascade_plan(
     n = len(grouped)
     skip = torch.tensor([shared for members, shared in groups for _ in members], device=device).view(n, 1)  # [G, 1]
     rest = lens[rows].view(n, 1) - skip * block_size  # [G, 1] tokens after the shared blocks (>= 0)
-    width = max(int(-(-rest.max() // block_size)), 1)
+    width = max(blocks_for(int(rest.max()), block_size), 1)
     cols = (skip + torch.arange(width, device=device)).clamp_max(block_table.shape[1] - 1)  # [G, width]
     pages = block_table[rows].long().gather(1, cols).clamp_min(0).flatten()  # [G * width]; masked below
     visible = (torch.arange(width * block_size, device=device) < rest).view(n, 1, 1, -1)  # [G, 1, 1, L]
@@ -446,7 +448,7 @@ def _shared_prefixes(block_table: torch.Tensor, lens: list[int], block_size: int
     requests together); inside a bucket the first row leads: the rows sharing its blocks to the
     depth that saves the most gathered blocks form a group, and the rest of the bucket goes again.
     """
-    least = -(-CASCADE_MIN_TOKENS // block_size)  # blocks a group must share
+    least = blocks_for(CASCADE_MIN_TOKENS, block_size)  # blocks a group must share
     if block_table.shape[1] < least:
         return []
     firsts = block_table[:, 0].tolist()
