@@ -84,8 +84,10 @@ class KVBlockManager:
         """
         size = self.block_size
         tokens = request.all_ids
-        keys = self._keys(tokens, (len(tokens) - 1) // size)  # per group, per full block
-        found = [[self.allocator.cached(k) for k in group_keys] for group_keys in keys]
+        full_blocks = range((len(tokens) - 1) // size)  # the last token is never a hit: see above
+        found = [
+            [self.allocator.cached(self._key(request, g, i)) for i in full_blocks] for g in range(len(self.groups))
+        ]
         num_hit = self._num_hit(found)
         tables = []
         for group, hits in zip(self.groups, found):  # a sliding group skips what is out of its window
@@ -127,15 +129,15 @@ class KVBlockManager:
             return 0
         return max(num_blocks * self.block_size - group.window + 1, 0) // self.block_size
 
-    def _keys(self, tokens: list[int], num_blocks: int) -> list[list[PrefixKey]]:
-        """Prefix-cache keys of the first ``num_blocks`` full blocks of ``tokens``, per group."""
-        size = self.block_size
-        per_block, digest = [], ROOT_DIGEST
-        for i in range(num_blocks):
-            block = tuple(tokens[i * size : (i + 1) * size])
-            per_block.append((digest, block))
-            digest = chain_digest(digest, block)
-        return [[(g, d, block) for d, block in per_block] for g in range(len(self.groups))]
+    def _key(self, request: Request, group: int, index: int) -> PrefixKey:
+        """Prefix-cache key of full block ``index`` of ``request`` in ``group``. The digests of the
+        blocks before it are kept on the request (its tokens are only ever appended), so each
+        block is hashed once in the request's life, not once per block that fills after it."""
+        size, digests = self.block_size, request.block_digests
+        while len(digests) < index:  # digests[i]: every token up to the end of block i
+            i = len(digests)
+            digests.append(chain_digest(digests[-1] if i else ROOT_DIGEST, tuple(request.token_slice(i * size, size))))
+        return (group, digests[index - 1] if index else ROOT_DIGEST, tuple(request.token_slice(index * size, size)))
 
     # ------------------------------------------------------------------ growth
     def reserve(self, request: Request, num_new: int) -> bool:
@@ -173,12 +175,11 @@ class KVBlockManager:
         first_full = request.num_computed_tokens // size
         request.num_computed_tokens += num_new
         last_full = request.num_computed_tokens // size
-        if self.allocator.enable_prefix_caching and last_full > first_full:
-            keys = self._keys(request.all_ids, last_full)
+        if self.allocator.enable_prefix_caching:
             for g, table in enumerate(self.tables(request)):
                 for i in range(first_full, last_full):
                     if table[i] != RELEASED:
-                        self.allocator.register(table[i], keys[g][i])
+                        self.allocator.register(table[i], self._key(request, g, i))
         for group, table in zip(self.groups, self.tables(request)):
             if group.window is not None:
                 self._release_out_of_window(request, table, group.window)

@@ -65,6 +65,7 @@ class Request:
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)  # the block table of attention group 0
     extra_block_ids: list[list[int]] = field(default_factory=list)  # those of groups 1, 2, ... (hybrid models)
+    block_digests: list[bytes] = field(default_factory=list)  # prefix-cache chain digests (kv_manager)
     finish_reason: str | None = None
     error: str | None = None
     num_cached_tokens: int = 0
