@@ -96,7 +96,8 @@ def paged_generate(
     size, budget = paged_config.block_size, paged_config.max_batch_tokens
     per_prompt = max(num_sequences, num_beams)  # beams: the worst case, every beam recomputed alone after a preemption
     exact_fit = sum(blocks_at_peak(len(p) + max_new_tokens, size, groups, budget) for p in prompts) * per_prompt
-    common = dict(max_new_tokens=max_new_tokens, generation_config=config, logits_processor=logits_processor,
+    # ``config`` is the engine's own (below): already prepared, so add_request does not prepare it again per prompt
+    common = dict(max_new_tokens=max_new_tokens, logits_processor=logits_processor,
                   stopping_criteria=stopping_criteria, tokenizer=tokenizer)  # fmt: skip
 
     def on_output(out: RequestOutput) -> None:

@@ -210,13 +210,18 @@ class KVBlockManager:
         request.num_computed_tokens = 0
 
     def kv_waste(self, requests: list[Request]) -> float:
-        """Share of the blocks in use that hold no token (each distinct block counted once)."""
+        """Share of the blocks in use that hold no token (each distinct block counted once). Called
+        whenever the peak grows, so the full blocks go through a set in one call per table."""
         size = self.block_size
         used = self.allocator.num_used_blocks
-        filled: dict[int, int] = {}
+        full: set[int] = set()
+        partly: dict[int, int] = {}  # the block a request is filling, and blocks reserved ahead of it
         for r in requests:
+            whole = r.num_computed_tokens // size
             for table in self.tables(r):
-                for i, block in enumerate(table):
-                    if block != RELEASED:
-                        filled[block] = max(filled.get(block, 0), min(size, r.num_computed_tokens - i * size))
-        return 1.0 - sum(max(f, 0) for f in filled.values()) / (used * size) if used else 0.0
+                full.update(table[:whole])
+                for i in range(whole, len(table)):
+                    partly[table[i]] = max(partly.get(table[i], 0), r.num_computed_tokens - i * size)
+        full.discard(RELEASED)
+        tokens = len(full) * size + sum(max(n, 0) for b, n in partly.items() if b not in full and b != RELEASED)
+        return 1.0 - tokens / (used * size) if used else 0.0

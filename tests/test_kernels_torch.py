@@ -1,8 +1,13 @@
-"""The pure-torch backend against the float64 reference (hf_paged_attn.kernels.reference)."""
+"""The pure-torch backend against the float64 reference (hf_paged_attn.kernels.reference).
+
+Its decode runs the native CPU kernel (kernels/cpu_native.py) when it can; decode tests run both
+that and the torch-ops path (``native=False``: ``HF_PAGED_ATTN_NATIVE=0``)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -13,6 +18,14 @@ from hf_paged_attn.blocks import blocks_for
 from hf_paged_attn.kernels import reference, torch_backend
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
+
+
+@contextlib.contextmanager
+def native_kernel(on: bool) -> Iterator[None]:
+    """The torch backend's decode with (on) or without the native CPU kernel."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setenv("HF_PAGED_ATTN_NATIVE", "1" if on else "0")
+        yield
 
 
 @st.composite
@@ -185,10 +198,13 @@ def _check_decode(
     opts=attn_options(),
     append=st.booleans(),
     split=st.booleans(),
+    native=st.booleans(),
 )
-def test_decode_matches_reference(lens: list[int], block_size: int, opts: dict, append: bool, split: bool) -> None:
+def test_decode_matches_reference(
+    lens: list[int], block_size: int, opts: dict, append: bool, split: bool, native: bool
+) -> None:
     """``split``: a bucket costs nothing, so requests of different lengths go to separate length buckets."""
-    with pytest.MonkeyPatch.context() as monkeypatch:
+    with pytest.MonkeyPatch.context() as monkeypatch, native_kernel(native):
         if split:
             monkeypatch.setattr(torch_backend, "BUCKET_OVERHEAD_BYTES", 0)
         _check_decode(lens, block_size, opts, append, torch.float32, TOL)
@@ -205,8 +221,14 @@ def test_length_buckets() -> None:
     assert buckets([5], 0) is None
 
 
-def test_decode_worked_example() -> None:
+@pytest.mark.parametrize("native", [True, False])
+def test_decode_worked_example(native: bool) -> None:
     """The spec's example: block size 32, lengths [30, 32, 70], 8 blocks, a new token per request."""
+    with native_kernel(native):
+        _worked_example()
+
+
+def _worked_example() -> None:
     gen = torch.Generator().manual_seed(0)
     h, h_kv, d, bs = 4, 2, 64, 32
     lens = [30, 32, 70]
@@ -237,8 +259,14 @@ def test_decode_worked_example() -> None:
     assert torch.equal(k_cache, before_k) and torch.equal(v_cache, before_v)  # blocks 4, 7 etc. untouched
 
 
-def test_decode_writes_only_new_slots() -> None:
+@pytest.mark.parametrize("native", [True, False])
+def test_decode_writes_only_new_slots(native: bool) -> None:
     """Block size 4, shuffled pages: the cache after the call is the cache before plus exactly B slots."""
+    with native_kernel(native):
+        _writes_only_new_slots()
+
+
+def _writes_only_new_slots() -> None:
     gen = torch.Generator().manual_seed(1)
     h_kv, d, bs, num_blocks = 2, 64, 4, 12
     table = torch.tensor([[7, 2, -1], [11, -1, -1], [0, 9, 4]], dtype=torch.int32)
@@ -266,7 +294,12 @@ def test_decode_memo_across_layers_and_steps(
 ) -> None:
     """As the engine calls it: one memo per step (StepMetadata.memo) shared by every layer, each layer
     with its own pages. Every layer of every step equals the reference, and all layers' pages point to
-    one gather workspace that the steps reuse."""
+    one gather workspace that the steps reuse (the torch-ops path: the native kernel gathers nothing)."""
+    with native_kernel(False):
+        _memo_across_layers_and_steps(lens, block_size, opts, append, num_steps)
+
+
+def _memo_across_layers_and_steps(lens: list[int], block_size: int, opts: dict, append: bool, num_steps: int) -> None:
     gen = torch.Generator().manual_seed(opts["seed"])
     h_kv, d = opts["num_kv_heads"], opts["head_dim"]
     h, batch, num_layers = h_kv * opts["group"], len(lens), 3
@@ -300,13 +333,15 @@ def test_decode_memo_across_layers_and_steps(
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("softcap_and_sinks", [False, True])
-def test_half_precision_smoke(dtype: torch.dtype, softcap_and_sinks: bool) -> None:
+@pytest.mark.parametrize("native", [True, False])
+def test_half_precision_smoke(dtype: torch.dtype, softcap_and_sinks: bool, native: bool) -> None:
     opts = {"num_kv_heads": 2, "group": 4, "head_dim": 64, "causal": True, "window_size": (-1, -1),
             "softcap": 20.0 if softcap_and_sinks else 0.0, "sinks": softcap_and_sinks, "seed": 3}  # fmt: skip
     out, expected = _run_varlen([(17, 17), (1, 30), (5, 40), (0, 3)], opts, dtype)
     assert out.dtype == dtype
     torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
-    _check_decode([0, 31, 64], 16, opts, True, dtype, {"atol": 2e-2, "rtol": 2e-2})
+    with native_kernel(native):
+        _check_decode([0, 31, 64], 16, opts, True, dtype, {"atol": 2e-2, "rtol": 2e-2})
 
 
 @st.composite
@@ -339,8 +374,8 @@ def test_decode_cascade_over_shared_blocks(
     """Requests whose block tables start with the same physical blocks (prefix caching, forks), in
     trees of shared trunks and branches, some ending inside a shared block they have not filled:
     the cascade path (shared part once per group, own part per request, lse merge; unshared rows
-    through SDPA) equals the reference."""
-    with pytest.MonkeyPatch.context() as monkeypatch:
+    through SDPA) equals the reference (the torch-ops path: the native kernel has no cascade)."""
+    with pytest.MonkeyPatch.context() as monkeypatch, native_kernel(False):
         _check_cascade(monkeypatch, tree, cut, block_size, opts, append, dtype)
 
 

@@ -1,6 +1,10 @@
 """Scheduler: budget, decode-first order, chunked prefill, admission and preemption."""
 
-from hf_paged_attn.blocks import BlockAllocator
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hf_paged_attn.blocks import RELEASED, BlockAllocator
 from hf_paged_attn.kv_manager import KVBlockManager
 from hf_paged_attn.request import Request, Status
 from hf_paged_attn.scheduler import Scheduler
@@ -102,3 +106,35 @@ def test_copy_on_write_of_shared_partial_block():
     assert parent.block_ids[1] != child.block_ids[1]
     assert parent.block_ids[0] == child.block_ids[0] and alloc.ref_count(parent.block_ids[0]) == 2
     alloc.check_invariants()
+
+
+@settings(max_examples=50, deadline=None)
+@given(lengths=st.lists(st.integers(0, 30), min_size=1, max_size=6), forks=st.lists(st.integers(0, 5), max_size=3),
+       ahead=st.integers(0, 2), released=st.integers(0, 3))  # fmt: skip
+def test_kv_waste_counts_each_distinct_block_once(lengths, forks, ahead, released):
+    """The set-based kv_waste equals the block-by-block definition: each distinct block (forks share
+    theirs) holds the most tokens any of its requests has in it; released blocks count for nothing."""
+    size = 4
+    kv = KVBlockManager(BlockAllocator(200), size)
+    requests = []
+    for i, n in enumerate(lengths):
+        r = Request(f"r{i}", [1] * max(n, 1), 4, None, i)
+        r.block_ids.extend(kv.allocator.allocate(-(-n // size) + ahead))
+        r.num_computed_tokens = n
+        requests.append(r)
+    for i, source in enumerate(forks):
+        child = Request(f"c{i}", [1], 4, None, 100 + i)
+        kv.fork(requests[source % len(requests)], child)
+        requests.append(child)
+    r = requests[0]
+    for i in range(min(released, r.num_computed_tokens // size)):  # a sliding window's freed blocks
+        kv.allocator.free([r.block_ids[i]])
+        r.block_ids[i] = RELEASED
+    filled: dict[int, int] = {}
+    for r in requests:
+        for i, block in enumerate(r.block_ids):
+            if block != RELEASED:
+                filled[block] = max(filled.get(block, 0), min(size, r.num_computed_tokens - i * size))
+    used = kv.allocator.num_used_blocks
+    expected = 1.0 - sum(max(f, 0) for f in filled.values()) / (used * size) if used else 0.0
+    assert kv.kv_waste(requests) == pytest.approx(expected)

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ..blocks import blocks_for
+from . import cpu_native
 
 _MAX_SCORES = 1 << 25  # fp32 elements of one explicit score chunk (128 MiB)
 STEP_MEMO = True  # paged_decode_attention takes ``memo=`` (StepMetadata.memo): see its docstring
@@ -618,6 +619,18 @@ def paged_decode_attention(
     ``cache_seqlens`` and ``block_table``. Returns [B, 1, H, D] in q.dtype.
     """
     appended = k is not None and v is not None
+    if q.device.type == "cpu":  # the native kernel reads the pages in place (cpu_native.py)
+        max_len = memo.get("max_len") if memo is not None else None
+        if max_len is None:
+            max_len = int(cache_seqlens.max()) + appended if cache_seqlens.numel() else 0
+            if memo is not None:
+                memo["max_len"] = max_len
+        window_left = window_size[0]
+        out = cpu_native.paged_decode(
+            q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, window_left, softcap, sinks, max_len
+        )
+        if out is not None:
+            return out
     key = ("decode", k_cache.shape[1], appended, causal, tuple(window_size))
     plan = memo.get(key) if memo is not None else None
     if plan is None:

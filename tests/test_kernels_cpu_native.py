@@ -1,0 +1,118 @@
+"""The native CPU decode kernel (hf_paged_attn/kernels/cpu_native.py): that it is built and really
+runs, its threads, its guards and its fallbacks. Its numerics against the reference are tested in
+test_kernels_torch.py (every decode test runs with and without it)."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_paged_attn.kernels import cpu_native, reference, torch_backend
+
+needs_compiler = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
+
+
+def _case(seed: int = 0, batch: int = 5, block_size: int = 8, dtype: torch.dtype = torch.float32) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    h_kv, group, d = 2, 3, 64
+    lens = torch.randint(0, 40, (batch,), generator=gen).int()  # tokens before the new one
+    width = int(lens.max()) // block_size + 2
+    num_blocks = batch * width + 3
+    table = torch.randperm(num_blocks, generator=gen)[: batch * width].view(batch, width).int()
+    return {
+        "q": torch.randn(batch, 1, h_kv * group, d, generator=gen).to(dtype),
+        "k_cache": torch.randn(num_blocks, block_size, h_kv, d, generator=gen).to(dtype),
+        "v_cache": torch.randn(num_blocks, block_size, h_kv, d, generator=gen).to(dtype),
+        "k": torch.randn(batch, 1, h_kv, d, generator=gen).to(dtype),
+        "v": torch.randn(batch, 1, h_kv, d, generator=gen).to(dtype),
+        "cache_seqlens": lens,
+        "block_table": table,
+    }
+
+
+def _native(case: dict, **options: object) -> torch.Tensor | None:
+    options = {"softmax_scale": 0.125, "window_left": -1, "softcap": 0.0, "sinks": None, **options}
+    max_len = int(case["cache_seqlens"].max()) + 1
+    return cpu_native.paged_decode(*case.values(), max_len=max_len, **options)
+
+
+@needs_compiler
+def test_the_kernel_builds_and_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Built into the cache directory once; the decode really goes through it and equals the reference."""
+    monkeypatch.setenv("HF_PAGED_ATTN_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_native, "_library", None)
+    monkeypatch.setattr(cpu_native, "_failed", False)
+    case = _case()
+    pages = {name: case[name].clone() for name in ("k_cache", "v_cache")}
+    out = _native(case)
+    assert out is not None and len(list(tmp_path.glob("cpu_decode-*.so"))) == 1
+    built = next(tmp_path.glob("cpu_decode-*.so"))
+    assert cpu_native.build() == built and built.stat().st_mtime_ns == next(tmp_path.glob("*.so")).stat().st_mtime_ns
+    for b, n in enumerate(case["cache_seqlens"].tolist()):
+        keys = reference.gather_pages(case["k_cache"], case["block_table"][b], n + 1)
+        values = reference.gather_pages(case["v_cache"], case["block_table"][b], n + 1)
+        assert torch.equal(keys[-1], case["k"][b, 0]) and torch.equal(values[-1], case["v"][b, 0])
+        expected = reference.attend_one(case["q"][b], keys, values, softmax_scale=0.125)
+        torch.testing.assert_close(out[b], expected, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(pages["k_cache"], case["k_cache"])  # the new tokens were written in place
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_threads_split_the_work_exactly(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above the work threshold the (request, kv head) tasks go to several threads: same output, bit for bit."""
+    sinks = torch.linspace(-2, 2, 6)
+    one = _native(_case(1, batch=9, dtype=dtype), window_left=11, softcap=20.0, sinks=sinks)
+    monkeypatch.setattr(cpu_native, "_THREADED_WORK", 0)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    many = _native(_case(1, batch=9, dtype=dtype), window_left=11, softcap=20.0, sinks=sinks)
+    assert one is not None and torch.equal(one, many)
+
+
+@needs_compiler
+def test_a_missing_block_for_the_new_token_raises_and_writes_nothing() -> None:
+    case = _case(2)
+    case["block_table"][1, :] = -1
+    pages = case["k_cache"].clone()
+    with pytest.raises(ValueError, match="no cache block"):
+        _native(case)
+    assert torch.equal(pages, case["k_cache"])
+
+
+def test_switched_off_or_unsupported_calls_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``HF_PAGED_ATTN_NATIVE=0``, float16 and non-contiguous pages go to the torch ops, which still match."""
+    assert _native(_case(3, dtype=torch.float16)) is None
+    case = _case(3)
+    case["k_cache"] = case["k_cache"].transpose(1, 2).contiguous().transpose(1, 2)  # same values, other layout
+    assert _native(case) is None
+    monkeypatch.setenv("HF_PAGED_ATTN_NATIVE", "0")
+    assert cpu_native.library() is None and _native(_case(3)) is None
+    case = _case(3)
+    out = torch_backend.paged_decode_attention(*case.values(), softmax_scale=0.125)
+    b, n = 0, int(case["cache_seqlens"][0]) + 1
+    keys = reference.gather_pages(case["k_cache"], case["block_table"][b], n)
+    values = reference.gather_pages(case["v_cache"], case["block_table"][b], n)
+    expected = reference.attend_one(case["q"][b], keys, values, softmax_scale=0.125)
+    torch.testing.assert_close(out[b], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_no_compiler_warns_once_and_falls_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CC", "no-such-compiler-hf-paged")
+    monkeypatch.setenv("HF_PAGED_ATTN_CACHE", str(tmp_path))  # nothing cached there
+    monkeypatch.setattr(cpu_native, "_library", None)
+    monkeypatch.setattr(cpu_native, "_failed", False)
+    with pytest.raises(RuntimeError, match="no-such-compiler-hf-paged"):
+        cpu_native.build()
+    with caplog.at_level(logging.WARNING, logger=cpu_native.__name__):
+        assert cpu_native.library() is None and cpu_native.library() is None
+    assert sum("no-such-compiler-hf-paged" in r.getMessage() for r in caplog.records) == 1
+    case = _case(4)
+    assert _native(case) is None
+    out = torch_backend.paged_decode_attention(*case.values(), softmax_scale=0.125)
+    assert out.shape == case["q"].shape and torch.isfinite(out).all()
