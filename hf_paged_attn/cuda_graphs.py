@@ -7,8 +7,8 @@ buffers: input ids, positions, cache lengths, each attention group's block table
 the most blocks a request can hold), slot mapping and key offsets. Each step copies its metadata
 into the first rows of those buffers and replays the bucket's graph; the logits of its real rows
 come back. Everything else runs eagerly as before: steps with prefill, beam search, more requests
-than the largest bucket, tables wider than the buffers, tensor-parallel engines and models spread
-over several devices.
+than the largest bucket, tables wider than the buffers, tensor-parallel engines, models spread
+over several devices and models whose weights accelerate offloads.
 
 A graph bakes in every Python-side value of the capture, so only backends whose decode kernel reads
 lengths and tables from device tensors and whose launch parameters follow from shapes can be
@@ -142,11 +142,14 @@ class DecodeGraphs:
     @classmethod
     def for_engine(cls, engine: ContinuousBatchingEngine) -> DecodeGraphs | None:
         """The runner ``engine`` uses, or None when its steps all run eagerly: graphs off in its
-        resolved config, a tensor-parallel model, layers on several devices or not on CUDA."""
+        resolved config, a tensor-parallel model, layers on several devices or not on CUDA, or
+        weights that accelerate offloads (its hooks copy them in at every forward, from the host)."""
         model = engine.model
         if not engine.config.cuda_graphs or engine.device.type != "cuda":
             return None
         if (getattr(model, "tp_size", None) or 1) > 1 or len(set(layer_devices(model))) > 1:
+            return None
+        if {"cpu", "disk"} & {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}:
             return None
         return cls(engine)
 

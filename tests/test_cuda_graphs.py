@@ -152,6 +152,31 @@ def test_an_engine_on_the_cpu_runs_eagerly(llama):
         ContinuousBatchingEngine(paged, PagedConfig(num_blocks=32, cuda_graphs=True))
 
 
+def test_which_engines_get_a_runner(llama, monkeypatch):
+    """``for_engine`` on a stand-in engine that claims CUDA (nothing CUDA runs until a capture)."""
+    _, paged = llama
+
+    def engine(cuda_graphs=True, device=CUDA):
+        return SimpleNamespace(
+            model=paged, device=device, config=PagedConfig(kernel="triton", block_size=16, cuda_graphs=cuda_graphs),
+            backend=None, allocator=SimpleNamespace(num_blocks=100), max_position_embeddings=512,
+        )  # fmt: skip
+
+    runner = DecodeGraphs.for_engine(engine())
+    assert isinstance(runner, DecodeGraphs) and runner.width == 32 and runner.scratch_block == 100
+    assert runner.buckets[-1] == 64 and runner.num_captures == 0
+    assert DecodeGraphs.for_engine(engine(cuda_graphs=False)) is None
+    assert DecodeGraphs.for_engine(engine(device=CPU)) is None
+    with monkeypatch.context() as m:
+        m.setattr(type(paged), "tp_size", property(lambda self: 2))  # tensor parallel
+        assert DecodeGraphs.for_engine(engine()) is None
+    with monkeypatch.context() as m:
+        m.setattr(paged, "hf_device_map", {"model": 0, "lm_head": "cpu"}, raising=False)  # offloaded
+        assert DecodeGraphs.for_engine(engine()) is None
+        m.setattr(paged, "hf_device_map", {"": 0}, raising=False)
+        assert isinstance(DecodeGraphs.for_engine(engine()), DecodeGraphs)
+
+
 # ----------------------------------------------------------------------------------------------
 # greedy parity through the runner
 # ----------------------------------------------------------------------------------------------
@@ -192,14 +217,14 @@ def test_triton_decode_through_graphs_equals_sdpa(llama, graphs_on):
     ref, paged = llama
     graphs_on.settings["backend"] = lambda _: tb
     prompts = prompts_of([4, 20, 11], seed=1)
-    new = [10, 4, 7]
+    new = [6, 2, 4]
     engine = ContinuousBatchingEngine(paged, PagedConfig(kernel="torch", block_size=16, num_blocks=24))
     outputs = engine.generate(prompts, max_new_tokens=new)
     expected = [greedy_one_by_one(ref, [p], n)[0] for p, n in zip(prompts, new)]
     problems = compare_greedy(ref, prompts, expected, [o.output_ids for o in outputs])
     assert not problems, problems
     runner = engine.graphs
-    assert set(runner.captured) == {1, 2, 4} and runner.num_replays >= 8
+    assert set(runner.captured) == {1, 2, 4} and runner.num_replays >= 5
 
 
 def test_hybrid_model_graphs_fill_every_groups_tables(tmp_path, graphs_on):
