@@ -40,6 +40,12 @@ class PagedConfig:
         scheduling_policy: ``"fcfs"`` (first come, first served) or ``"priority"`` (lower
             ``add_request(..., priority=)`` first, ties by arrival; the lowest priority is preempted
             first). See ``policy.py``.
+        cuda_graphs: replay decode steps (every request feeds one token) from CUDA graphs captured
+            per batch-size bucket (``cuda_graphs.py``): the GPU no longer waits for Python to launch
+            every layer's kernels. ``None`` (the default): on for a model on one CUDA device with a
+            graph-safe kernel (triton, flash), off elsewhere; ``True`` where graphs can't run raises
+            ValueError; ``False``: every step runs eagerly. Tensor-parallel engines and models spread
+            over several devices always run eagerly.
     """
 
     block_size: int | None = None
@@ -53,6 +59,7 @@ class PagedConfig:
     seed: int | None = None
     scheduling_policy: str = "fcfs"
     hybrid_kv: bool = True
+    cuda_graphs: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_batch_tokens"):
@@ -62,6 +69,8 @@ class PagedConfig:
                 _require_positive_int(name, getattr(self, name))
         if not isinstance(self.hybrid_kv, bool):
             raise ValueError(f"PagedConfig.hybrid_kv must be a bool, got {self.hybrid_kv!r}")
+        if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"PagedConfig.cuda_graphs must be None or a bool, got {self.cuda_graphs!r}")
         if self.scheduling_policy not in POLICIES:
             raise ValueError(
                 f"PagedConfig.scheduling_policy must be one of {tuple(POLICIES)}, got {self.scheduling_policy!r}"
@@ -100,12 +109,20 @@ class PagedConfig:
     def resolved(self, device: torch.device, dtype: torch.dtype | None = None, sinks: bool = False) -> PagedConfig:
         """This config made concrete for a model on ``device`` in ``dtype`` (``sinks``: with attention
         sinks): ``kernel="auto"`` becomes the backend that will run, then ``block_size=None`` that
-        backend's size."""
+        backend's size, then ``cuda_graphs=None`` whether graphs can run."""
         kernel = resolve_kernel(self.kernel, device, self.block_size, dtype, sinks)
         backend = BACKENDS[kernel]
         block_size = self.block_size or backend.default_block_size(device)
         backend.check_block_size(block_size)
-        return self.replace(kernel=kernel, block_size=block_size)
+        graphs_can_run = device.type == "cuda" and backend.graph_safe
+        if self.cuda_graphs and not graphs_can_run:
+            safe = [name for name, b in BACKENDS.items() if b.graph_safe]
+            raise ValueError(
+                f"PagedConfig.cuda_graphs=True needs a CUDA device and a graph-safe kernel {safe}; the model "
+                f"is on {device.type} with kernel={kernel!r}. Leave cuda_graphs=None to use graphs where they can run"
+            )
+        cuda_graphs = graphs_can_run if self.cuda_graphs is None else self.cuda_graphs
+        return self.replace(kernel=kernel, block_size=block_size, cuda_graphs=cuda_graphs)
 
 
 def _require_positive_int(name: str, value: object) -> None:

@@ -14,6 +14,7 @@ from .beam import BeamGroup
 from .blocks import BlockAllocator
 from .cache import PagedAttentionCache
 from .config import PagedConfig
+from .cuda_graphs import DecodeGraphs
 from .intake import Intake
 from .kernels import load_backend
 from .kv_manager import KVBlockManager
@@ -65,7 +66,8 @@ class ContinuousBatchingEngine(BatchAPI):
         self.kv = KVBlockManager(self.allocator, config.block_size, self.layers, config.max_batch_tokens)
         policy = POLICIES[config.scheduling_policy]
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_batch_tokens, policy)
-        self.cache = PagedAttentionCache(model.config, num_blocks, config.block_size, self.layers)
+        self.graphs = DecodeGraphs.for_engine(self)  # decode steps as CUDA graphs (None: eager); one more page
+        self.cache = PagedAttentionCache(model.config, num_blocks + bool(self.graphs), config.block_size, self.layers)
         seed = config.seed if config.seed is not None else int(torch.randint(0, 2**62, ()).item())
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.intake = Intake()
@@ -156,7 +158,7 @@ class ContinuousBatchingEngine(BatchAPI):
             self.cache.copy_blocks(plan.block_copies)
             meta = build_step(plan.scheduled, self.config.block_size, self.device, self.layers)
             meta.backend = self.backend
-            logits = self._forward(meta)
+            logits = self.graphs.forward(meta, plan.scheduled) if self.graphs else self._forward(meta)
         except Exception as exc:  # one failing step must not take the engine down
             return [out for s in plan.scheduled for out in self._finish(s.request, "error", exc)]
         self.counters.num_steps += 1

@@ -59,6 +59,8 @@ CHECKS = (
     "throughput/bf16",
     "mixed/offload",
     "mixed/split",
+    "graphs/fp32",
+    "graphs/bf16",
 )
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # max abs error vs the float64 reference
@@ -561,6 +563,137 @@ def check_throughput(backends: dict[str, object]) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
+# graphs/fp32, graphs/bf16: CUDA graphs of decode steps (hf_paged_attn/cuda_graphs.py)
+# ----------------------------------------------------------------------------------------------
+
+
+def check_graphs(dtype_name: str, backends: dict[str, object]) -> None:
+    check = f"graphs/{dtype_name}"
+    if isinstance(backends["triton"], str):
+        report("SKIPPED", check, f"backend unavailable ({backends['triton']})")
+        return
+    try:
+        import hf_paged_attn  # noqa: F401 - registers attn_implementation="paged"
+
+        start = time.perf_counter()
+        detail = graphs_parity() if dtype_name == "fp32" else graphs_throughput(backends)
+        report("PASS", check, f"{detail}, {time.perf_counter() - start:.1f}s")
+    except Exception as exc:
+        report("FAIL", check, short_error(exc))
+        traceback.print_exc(file=sys.stderr)
+
+
+def graphs_parity() -> str:
+    """Greedy parity with sdpa, Triton backend, ``cuda_graphs=True``: 12 prompts with different
+    ``max_new_tokens``, 5 queued first and 7 more after 4 steps, ``max_num_seqs=8``, so decode steps
+    run in buckets 8, 4, 2 and 1 while requests finish and start. Fails unless graphs were captured
+    and replayed (the runner's counters), every bucket once."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
+
+    directory = tiny_llama_dir()
+    ref = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="sdpa").cuda().eval()
+    paged = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="paged").cuda().eval()
+    gen = torch.Generator().manual_seed(4)
+    lens = [1, 5, 17, 33, 40, 64, 120, 250, 9, 3, 70, 12]
+    prompts = [torch.randint(2, ref.config.vocab_size, (n,), generator=gen).tolist() for n in lens]
+    new = [8 + (7 * i) % 25 for i in range(len(prompts))]
+    config = PagedConfig(kernel="triton", cuda_graphs=True, max_num_seqs=8, max_batch_tokens=128, num_blocks=256)
+    engine = ContinuousBatchingEngine(paged, config)
+    runner = engine.graphs
+    if runner is None:
+        raise AssertionError("cuda_graphs=True on one CUDA device built no DecodeGraphs runner")
+    ids = [engine.add_request(p, n) for p, n in zip(prompts[:5], new[:5], strict=True)]
+    finals = {}
+    for _ in range(4):
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    ids += [engine.add_request(p, n) for p, n in zip(prompts[5:], new[5:], strict=True)]
+    finals.update({o.request_id: o for o in engine.stream() if o.finished})
+    if runner.failed:
+        raise AssertionError(f"a capture failed, the engine ran eagerly: {runner.failed}")
+    compared = 0
+    for i, (p, n, rid) in enumerate(zip(prompts, new, ids, strict=True)):
+        res = ref.generate(torch.tensor([p]).cuda(), max_new_tokens=n, do_sample=False, output_logits=True,
+                           return_dict_in_generate=True)  # fmt: skip
+        want = res.sequences[0, len(p) :].tolist()
+        top2 = torch.stack(res.logits)[:, 0].float().topk(2, dim=-1).values  # [steps, 2]
+        ties = ((top2[:, 0] - top2[:, 1]) < TIE_TOLERANCE[torch.float32]).nonzero()
+        limit = int(ties[0]) if len(ties) else len(want)  # the same near-tie rule as greedy/*
+        got = finals[rid].output_ids
+        if finals[rid].finish_reason != "length" or got[:limit] != want[:limit]:
+            raise AssertionError(f"prompt {i} ({finals[rid].finish_reason}): {got[:limit]} != sdpa {want[:limit]}")
+        compared += limit
+    replays = {bucket: c.graph for bucket, c in sorted(runner.captured.items())}
+    if runner.num_captures != len(runner.captured) or runner.num_replays <= runner.num_captures:
+        raise AssertionError(f"{runner.num_captures} captures of buckets {list(replays)}, {runner.num_replays} replays")
+    if not {1, 2, 4, 8} <= set(replays):
+        raise AssertionError(f"decode steps replayed only buckets {list(replays)}, expected 1, 2, 4 and 8")
+    return (
+        f"{len(prompts)} prompts equal sdpa, {compared}/{sum(new)} steps compared (tie tol "
+        f"{TIE_TOLERANCE[torch.float32]}); buckets {list(replays)} captured once, {runner.num_replays} replays "
+        f"of {engine.stats.num_steps} steps; table width {runner.width} blocks"
+    )
+
+
+def graphs_throughput(backends: dict[str, object]) -> str:
+    """The ``uniform`` workload (64 requests, 30M-parameter Llama, bf16) with graphs off and on, per
+    graph-safe kernel: new tokens/s of a second run (the first captures the graphs and compiles), the
+    first run's time, ms per step, and how many requests' tokens equal the eager run's (figures only)."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
+    from hf_paged_attn.bench.systems import MAX_BATCH_TOKENS, greedy_config
+    from hf_paged_attn.bench.workloads import WORKLOADS
+
+    work = WORKLOADS["uniform"]()
+    directory = tempfile.mkdtemp(prefix="gpu_check_graphs_")
+    work.model.save(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="paged", dtype=torch.bfloat16)
+    model = model.to("cuda").eval()
+    gen_config = greedy_config()
+    parts = []
+    for kernel, block_size in (("triton", 16), ("flash", 256)):
+        if isinstance(backends[kernel], str):
+            continue
+        results = {}
+        for graphs in (False, True):
+            config = PagedConfig(
+                kernel=kernel, block_size=block_size, num_blocks=work.num_blocks, max_num_seqs=64,
+                max_batch_tokens=MAX_BATCH_TOKENS, progress_bar=False, seed=0, cuda_graphs=graphs,
+            )  # fmt: skip
+            engine = ContinuousBatchingEngine(model, config, gen_config)
+            seconds = []
+            for _ in range(2):  # the first run compiles kernels and captures the buckets
+                before = engine.stats
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                outs = engine.generate(work.prompts, max_new_tokens=work.max_new_tokens)
+                torch.cuda.synchronize()
+                seconds.append(time.perf_counter() - start)
+            after = engine.stats
+            steps = after.num_steps - before.num_steps
+            step_ms = (after.busy_seconds - before.busy_seconds) / steps * 1e3
+            runner = engine.graphs
+            results[graphs] = ([o.output_ids for o in outs], seconds, steps, step_ms)
+            tag = "on" if graphs else "off"
+            extra = f", {runner.num_captures} graphs, {runner.num_replays} replays" if runner else ""
+            print(f"  {kernel} graphs {tag}: runs {seconds[0]:.2f}s / {seconds[1]:.2f}s, {steps} steps, "
+                  f"{step_ms:.2f} ms/step{extra}", flush=True)  # fmt: skip
+            if graphs and (runner is None or runner.num_replays == 0 or runner.failed):
+                raise AssertionError(f"{kernel}: graphs on but none replayed ({runner and runner.failed})")
+        (eager, (t_off, s_off), *_), (graphed, (t_on, s_on), *_) = results[False], results[True]
+        same = sum(a == b for a, b in zip(eager, graphed, strict=True))
+        rate_off, rate_on = work.new_tokens / s_off, work.new_tokens / s_on
+        parts.append(
+            f"{kernel}: off {rate_off:.0f} tok/s ({results[False][3]:.2f} ms/step), on {rate_on:.0f} tok/s "
+            f"({results[True][3]:.2f} ms/step) = {rate_on / rate_off:.2f}x; first run with captures {t_on:.2f}s "
+            f"vs {t_off:.2f}s; {same}/{work.num_requests} same tokens"
+        )
+    return "; ".join(parts)
+
+
+# ----------------------------------------------------------------------------------------------
 # (g) layers on two devices (accelerate's device_map)
 # ----------------------------------------------------------------------------------------------
 
@@ -685,6 +818,8 @@ def main() -> int:
                 check_throughput(backends)
             elif kind == "mixed":
                 check_mixed(rest[0], directory)
+            elif kind == "graphs":
+                check_graphs(rest[0], backends)
             else:
                 check_bandwidth(backends, rest[0])
         except Exception as exc:  # one broken check must not hide the others

@@ -25,7 +25,8 @@ softmax_scale, causal=True, window_size=(-1, -1), softcap=0.0, sinks=None) -> ou
     Returns [batch, 1, num_heads, head_dim].
 
 The registry below is the one place that says, for each backend, when it can run (device, dtype,
-attention sinks), which block sizes it accepts and its default: ``kernel="auto"``,
+attention sinks), which block sizes it accepts and its default, and whether CUDA graphs can capture
+its decode step: ``kernel="auto"``,
 ``PagedConfig.resolved`` and the engine all read it. Backends are imported lazily: only ``torch``
 is always importable.
 """
@@ -69,6 +70,10 @@ class Backend:
     dtypes: tuple[torch.dtype, ...] | None = None  # None: every dtype
     supports_sinks: bool = True
     install_hint: str = ""
+    # Whether a decode step through it can be captured in a CUDA graph (``cuda_graphs.py``): its
+    # decode kernel reads lengths and block tables from device tensors only, and its launch
+    # parameters (grid, split-K count) follow from shapes, which a graph's bucket fixes.
+    graph_safe: bool = False
 
     def suits(self, device: torch.device, block_size: int | None, dtype: torch.dtype | None, sinks: bool) -> bool:
         """Can this backend run a cache of ``block_size`` (None: its own) in ``dtype`` on ``device``?"""
@@ -105,6 +110,7 @@ BACKENDS: dict[str, Backend] = {
         dtypes=(torch.float16, torch.bfloat16),
         supports_sinks=False,
         install_hint="needs a CUDA device and flash-attn installed (pip install 'hf-paged-attn[flash]')",
+        graph_safe=True,  # flash_attn_with_kvcache: cache_seqlens and block_table are device tensors
     ),
     "triton": Backend(  # passed the GPU check on an H200 at 5x the torch backend's throughput
         name="triton",
@@ -114,8 +120,9 @@ BACKENDS: dict[str, Backend] = {
         block_size_rule="a power of two >= 16",
         default_block_size=lambda device: 16,
         install_hint="needs a CUDA GPU of compute capability 8.0 or newer and triton installed",
+        graph_safe=True,  # lengths read on device; split-K count from batch size and block-table width
     ),
-    "torch": Backend(  # the oracle: runs everywhere
+    "torch": Backend(  # the oracle: runs everywhere; not graph-safe (it plans its decode on the host)
         name="torch",
         module="hf_paged_attn.kernels.torch_backend",
         is_available=lambda device: True,
