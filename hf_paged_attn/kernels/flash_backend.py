@@ -19,6 +19,10 @@ from . import BACKENDS
 
 __all__ = ["paged_decode_attention", "paged_prefill_attention", "varlen_attention", "write_kv"]
 
+# The varlen path writes K/V with ``write_kv`` and attends with ``paged_prefill_attention``
+# (flash_attn_varlen_func with a block_table, flash-attn >= 2.5): no gather
+PREFILL_FROM_PAGES = True
+
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
