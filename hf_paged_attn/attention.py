@@ -3,7 +3,9 @@
 It reads the step's metadata (the ``paged_metadata`` forward kwarg) and picks a path:
 decode (every request feeds one token: the paged decode kernel reads K/V through the block table
 and appends the new token in place) or varlen (any prefill: the cache has already packed each
-request's K/V, the varlen kernel attends over them). Without metadata, e.g. a plain
+request's K/V, the varlen kernel attends over them; or, for a backend that prefills from the pages,
+the cache has only written the new K/V and the paged prefill kernel reads every key through the
+block table). Without metadata, e.g. a plain
 ``model(input_ids, labels=...)`` forward, it computes exactly what ``sdpa`` would.
 """
 
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
-from .cache import ACTIVE_STEP, pad_head_dim
+from .cache import ACTIVE_STEP, pad_head_dim, prefills_from_pages
 from .model_checks import check_attention_call
 from .step import StepMetadata
 
@@ -54,8 +56,11 @@ def paged_attention_forward(
     meta = meta.for_group(layer.group)  # the block tables of this layer's attention group
     layer.window = sliding_window  # what this layer really sees: lets the engine free older blocks
     value_dim = value.shape[-1]
+    from_pages = not meta.is_decode and prefills_from_pages(meta.backend)  # K/V already in the pages
     if query.shape[-1] != layer.width or value_dim != layer.width:  # K and V head dims differ (latent attention)
-        query, key, value = (pad_head_dim(t, layer.width) for t in (query, key, value))
+        query = pad_head_dim(query, layer.width)
+        if not from_pages:
+            key, value = pad_head_dim(key, layer.width), pad_head_dim(value, layer.width)
 
     window = (sliding_window - 1, sliding_window - 1) if sliding_window else (-1, -1)
     options = dict(softmax_scale=scale, causal=True, window_size=window, softcap=softcap or 0.0, sinks=s_aux)
@@ -73,6 +78,17 @@ def paged_attention_forward(
             meta.block_table,
             **options,
         ).squeeze(1)  # [N, H, D]
+    elif from_pages:
+        out = meta.backend.paged_prefill_attention(
+            q,
+            layer.keys,
+            layer.values,
+            meta.cu_seq_lens_q,
+            seqused_k(meta),
+            meta.block_table,
+            meta.max_length_q,
+            **options,
+        )
     else:
         out = meta.backend.varlen_attention(
             q,
@@ -85,6 +101,17 @@ def paged_attention_forward(
             **options,
         )
     return out[..., :value_dim].unsqueeze(0), None  # [1, N, H, D_v]
+
+
+def seqused_k(meta: StepMetadata) -> torch.Tensor:
+    """int32 [B]: the keys request b attends, counted from its first token (cached + new), made once
+    per step and group. The same in every group: a sliding layer's kernel skips what its window hides,
+    so the blocks a sliding group has already released are never read."""
+    used = meta.memo.get("seqused_k")
+    if used is None:
+        q_lens = meta.cu_seq_lens_q[1:] - meta.cu_seq_lens_q[:-1]  # [B]
+        used = meta.memo["seqused_k"] = (meta.cache_seqlens + q_lens).to(torch.int32)
+    return used
 
 
 def plain_attention(

@@ -25,6 +25,12 @@ from .step import StepMetadata
 ACTIVE_STEP: contextvars.ContextVar[StepMetadata | None] = contextvars.ContextVar("paged_step", default=None)
 
 
+def prefills_from_pages(backend: object) -> bool:
+    """Whether ``backend``'s varlen path reads K/V straight from the pages (``PREFILL_FROM_PAGES``,
+    see ``hf_paged_attn.kernels``): then the cache writes the step's K/V and gathers nothing."""
+    return getattr(backend, "PREFILL_FROM_PAGES", False)
+
+
 def pad_head_dim(x: torch.Tensor, width: int) -> torch.Tensor:
     """``x`` with its last (head) dim zero-padded to ``width``. Zero query/key columns leave q·k
     unchanged and zero value columns give zero output columns, so padding is exact."""
@@ -110,8 +116,10 @@ class PagedAttentionCache(Cache):
 
     The engine opens a step with ``with cache.step(metadata): model(...)``; inside it, ``update``
     writes the step's new K/V through ``metadata.slot_mapping`` and, on the varlen path, returns each
-    request's full K/V packed along one axis for the kernel. On the decode path it returns the new
-    K/V untouched: the paged decode kernel appends them in place.
+    request's full K/V packed along one axis for the kernel, unless the backend prefills from the
+    pages (``prefills_from_pages``): then it writes them with the backend's ``write_kv`` and returns
+    them untouched. On the decode path it returns the new K/V untouched: the paged decode kernel
+    appends them in place.
     """
 
     def __init__(
@@ -162,10 +170,20 @@ class PagedAttentionCache(Cache):
         if not meta.is_decode:
             assert key_states.shape[0] == 1, f"paged steps pack every request in batch row 0, got {key_states.shape}"
             tables = meta.for_group(layer.group)  # this layer's block ids
-            layer.write(key_states[0].transpose(0, 1), value_states[0].transpose(0, 1), tables.slot_mapping)
-            keys, values = layer.gather(tables.gather_slots)  # [K, H_kv, D] each
-            key_states = keys.transpose(0, 1).unsqueeze(0)  # [1, H_kv, K, D]
-            value_states = values.transpose(0, 1).unsqueeze(0)
+            new_keys, new_values = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)  # [N, H_kv, D]
+            if prefills_from_pages(meta.backend):
+                # The kernel reads every key from the pages: write the new ones, return K/V untouched
+                # (as on the decode path) so the attention call still passes check_attention_call.
+                width = layer.width
+                meta.backend.write_kv(
+                    pad_head_dim(new_keys, width), pad_head_dim(new_values, width),
+                    layer.keys, layer.values, tables.slot_mapping,
+                )  # fmt: skip
+            else:
+                layer.write(new_keys, new_values, tables.slot_mapping)
+                keys, values = layer.gather(tables.gather_slots)  # [K, H_kv, D] each
+                key_states = keys.transpose(0, 1).unsqueeze(0)  # [1, H_kv, K, D]
+                value_states = values.transpose(0, 1).unsqueeze(0)
         layer.returned = (weakref.ref(key_states), weakref.ref(value_states))
         # The attention call that follows reads this layer's pages. Not through the module's
         # layer_idx, which some models offset (HRM reuses layers across recurrent cycles).

@@ -20,6 +20,15 @@
     accelerate runs the CPU half on the GPU and streams its weights in; ``split``:
     ``dispatch_model(..., main_device="cpu")``, where the CPU half runs on the CPU, so pages live on
     both devices and each step's metadata is copied to the CPU once.
+(h) e2e/bf16: a ~0.5B-parameter random-weight Qwen2-shaped model (Qwen2.5-0.5B's sizes), 64 prompts
+    of 64-512 tokens x 128 greedy tokens: the engine (best kernel) against transformers' continuous
+    batching with CUDA graphs on, new tokens/s of each and the ratio (goal >= 2x); and one engine
+    decode step of all 64 against transformers' sdpa forward of the same batch (goal <= 1.3x), each
+    framed by torch.cuda.synchronize. Goals unmet are stated on the PASS line; FAIL means an error.
+    e2e/fp32-parity: the same architecture with 2 layers, paged (triton; flash in bf16 when
+    importable) against sdpa, greedy, through prefix hits, chunked prefill and mixed steps, every
+    prefill read straight from the pages (no gather). ``--tiny`` dry-runs both on a tiny model on
+    the CPU (Triton through its interpreter), so their code runs before a GPU ever sees it.
 
 Without CUDA every check prints SKIPPED and the script exits 0. Otherwise it exits 1 if a check
 failed. Run it through ``scripts/gpu_check.sh``.
@@ -61,6 +70,8 @@ CHECKS = (
     "mixed/split",
     "graphs/fp32",
     "graphs/bf16",
+    "e2e/bf16",
+    "e2e/fp32-parity",
 )
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # max abs error vs the float64 reference
@@ -781,13 +792,337 @@ def check_mixed(mode: str, directory: str | None) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
+# (h) end to end: a ~0.5B-parameter Qwen2-shaped model
+# ----------------------------------------------------------------------------------------------
+
+# Qwen2.5-0.5B's shape (494M parameters). Random weights: initializer_range 0.05 (default 0.02) makes
+# greedy tokens vary (16 distinct of 16 over two prompts, measured on CPU in fp32, 2 and 24 layers;
+# at 0.02 a 2-layer model repeats 4 tokens).
+QWEN2_SIZES = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                   intermediate_size=4864, vocab_size=151936)  # fmt: skip
+TINY_QWEN2_SIZES = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        intermediate_size=128, vocab_size=512)  # fmt: skip
+# The workload: 64 prompts of 64-512 tokens, 128 new tokens each, greedy, no EOS; the --tiny dry run
+# keeps the shape of it at a size the CPU runs in seconds.
+E2E_WORK = dict(num_prompts=64, min_len=64, max_len=512, new_tokens=128, max_batch_tokens=4096, step_tokens=24)
+TINY_E2E_WORK = dict(num_prompts=8, min_len=8, max_len=40, new_tokens=8, max_batch_tokens=128, step_tokens=16)
+
+
+def qwen2_config(tiny: bool, num_layers: int | None = None):
+    from transformers import Qwen2Config
+
+    sizes = dict(TINY_QWEN2_SIZES if tiny else QWEN2_SIZES)
+    if num_layers is not None:
+        sizes["num_hidden_layers"] = num_layers
+    return Qwen2Config(
+        **sizes, tie_word_embeddings=True, initializer_range=0.05, max_position_embeddings=4096,
+        rope_theta=1e6, use_sliding_window=False, bos_token_id=None, eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+
+
+def save_qwen2(config, device: str, dtype: torch.dtype) -> str:
+    """Random weights made on ``device`` (fast on a GPU), saved with save_pretrained in ``dtype``."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    directory = tempfile.mkdtemp(prefix="gpu_check_qwen2_")
+    model.save_pretrained(directory)
+    del model
+    return directory
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def e2e_prompts(work: dict, vocab: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(work["min_len"], work["max_len"] + 1, (work["num_prompts"],), generator=gen).tolist()
+    return [torch.randint(2, vocab, (n,), generator=gen).tolist() for n in lens]
+
+
+def engine_config(model, prompts: list[list[int]], work: dict):
+    """The engine's config: the best kernel for the model (``kernel="auto"``), a cache sized to the
+    workload (so both systems leave the rest of the memory alone), the shared token budget."""
+    import dataclasses
+
+    from hf_paged_attn import PagedConfig
+    from hf_paged_attn.blocks import blocks_for
+
+    config = PagedConfig(
+        max_num_seqs=len(prompts), max_batch_tokens=work["max_batch_tokens"], progress_bar=False, seed=0
+    ).for_model(model)
+    need = sum(blocks_for(len(p) + work["new_tokens"], config.block_size) for p in prompts)
+    return dataclasses.replace(config, num_blocks=need + len(prompts))
+
+
+def time_engine(model, prompts: list[list[int]], work: dict, device: str) -> tuple[float, list[list[int]], str]:
+    """New tokens/s of the engine on the whole workload (after a warm-up on its first 8 prompts)."""
+    from hf_paged_attn import ContinuousBatchingEngine
+    from hf_paged_attn.bench.systems import greedy_config
+
+    config = engine_config(model, prompts, work)
+    engine = ContinuousBatchingEngine(model, config, greedy_config())
+    engine.generate(prompts[:8], max_new_tokens=4)  # kernels compiled, pages allocated
+    sync(device)
+    start = time.perf_counter()
+    outs = engine.generate(prompts, max_new_tokens=work["new_tokens"])
+    sync(device)
+    wall = time.perf_counter() - start
+    if any(o.finish_reason == "error" for o in outs):
+        raise RuntimeError(f"engine request failed: {next(o.error for o in outs if o.finish_reason == 'error')}")
+    return len(prompts) * work["new_tokens"] / wall, [o.output_ids for o in outs], config.kernel
+
+
+def engine_decode_step(model, prompts: list[list[int]], work: dict, device: str) -> float:
+    """Median seconds of one whole engine step (schedule, build, forward, sample, bookkeeping) while
+    every request decodes, each step framed by torch.cuda.synchronize."""
+    from hf_paged_attn import ContinuousBatchingEngine
+    from hf_paged_attn.bench.systems import greedy_config
+
+    engine = ContinuousBatchingEngine(model, engine_config(model, prompts, work), greedy_config())
+    ids = {engine.add_request(p, max_new_tokens=work["step_tokens"]) for p in prompts}
+    decoding: set[str] = set()  # requests past their prefill: a step with all of them is a decode step
+    times = []
+    while engine.has_unfinished():
+        all_decode = decoding == ids
+        sync(device)
+        start = time.perf_counter()
+        outs = engine.step()
+        sync(device)
+        if all_decode and not any(o.finished for o in outs):
+            times.append(time.perf_counter() - start)
+        decoding |= {o.request_id for o in outs if o.output_ids}
+    if not times:
+        raise RuntimeError("no step ran with every request decoding")
+    return sorted(times)[len(times) // 2]
+
+
+def forward_only_decode(model, prompts: list[list[int]], device: str, iters: int = 10) -> float:
+    """Median seconds of transformers' own forward (sdpa, DynamicCache) for one new token of every
+    request, the prompts left-padded into one batch: the model's cost without any engine."""
+    from hf_paged_attn.devtools.testing import left_padded
+
+    ids, mask = (t.to(device) for t in left_padded(prompts))
+    times = []
+    with torch.inference_mode():
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
+        cache, token = out.cache, out.logits[:, -1:].argmax(-1)  # [B, 1]
+        for _ in range(iters + 2):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # [B, K + 1]
+            positions = mask.sum(-1, keepdim=True) - 1  # [B, 1]
+            sync(device)
+            start = time.perf_counter()
+            out = model(input_ids=token, attention_mask=mask, position_ids=positions, cache=cache,
+                        use_cache=True, logits_to_keep=1)  # fmt: skip
+            token = out.logits[:, -1:].argmax(-1)
+            sync(device)
+            times.append(time.perf_counter() - start)
+    times = times[2:]  # warm-up
+    return sorted(times)[len(times) // 2]
+
+
+def time_hf_cb(model, prompts: list[list[int]], work: dict) -> tuple[float, list[list[int]], str]:
+    """New tokens/s of transformers' continuous batching with CUDA graphs on (its own attention choice:
+    flash-attn when installed, else sdpa), after its graph warm-up and a warm-up batch."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    from hf_paged_attn.bench.systems import _collect, greedy_config
+
+    cb_config = ContinuousBatchingConfig(
+        use_cuda_graph=True, max_batch_tokens=work["max_batch_tokens"], max_requests_per_batch=len(prompts), seed=0
+    )
+    gen_config = greedy_config()
+    gen_config.eos_token_id = -1  # what init_continuous_batching sets for "no EOS"
+    # The hints generate_batch gives it (they size its flash-attn decode fast path's block table)
+    hints = WorkloadHints(max(map(len, prompts)), work["new_tokens"], len(prompts))
+    manager = model.init_continuous_batching(
+        generation_config=gen_config, continuous_batching_config=cb_config, workload_hints=hints
+    )
+    attn = model.config._attn_implementation
+    resolved = manager.continuous_batching_config
+    how = f"{attn}, cuda graphs (varlen, decode)={resolved.use_cuda_graph}, async={resolved.use_async_batching}"
+    try:
+        manager.warmup()  # captures its CUDA graphs
+        manager.start()
+        _collect(manager, [manager.add_request(p, max_new_tokens=4) for p in prompts[:8]], timeout=120)
+        start = time.perf_counter()
+        ids = [manager.add_request(p, max_new_tokens=work["new_tokens"]) for p in prompts]
+        results = _collect(manager, ids, timeout=120)
+        wall = time.perf_counter() - start  # results come back on the host: nothing left to sync
+    finally:
+        manager.stop(block=True, timeout=30)
+        manager.destroy()
+    outputs = [list(results[r].generated_tokens) for r in ids]
+    return len(prompts) * work["new_tokens"] / wall, outputs, how
+
+
+def e2e_throughput(device: str, tiny: bool) -> str:
+    """The engine against transformers' continuous batching on the ~0.5B model in bf16; returns the
+    detail line."""
+    from transformers import AutoModelForCausalLM
+
+    import hf_paged_attn  # noqa: F401 - registers attn_implementation="paged"
+
+    work = TINY_E2E_WORK if tiny else E2E_WORK
+    config = qwen2_config(tiny)
+    start = time.perf_counter()
+    directory = save_qwen2(config, device, torch.bfloat16)
+
+    def load(attn: str):
+        model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation=attn, dtype=torch.bfloat16)
+        return model.to(device).eval()
+
+    paged, ref = load("paged"), load("sdpa")
+    params = sum(p.numel() for p in paged.parameters()) / 1e6
+    prompts = e2e_prompts(work, config.vocab_size)
+    parts = [
+        f"{params:.1f}M params built in {time.perf_counter() - start:.0f}s, {len(prompts)} prompts of "
+        f"{work['min_len']}-{work['max_len']} tokens x {work['new_tokens']} new, "
+        f"max_batch_tokens {work['max_batch_tokens']}"
+    ]
+
+    def phase(name: str, fn: Callable[[], object]):
+        try:
+            return fn()
+        except Exception as exc:  # keep the figures measured so far
+            raise RuntimeError(f"{name}: {short_error(exc)} (after: {'; '.join(parts)})") from exc
+
+    engine_tps, engine_out, kernel = phase("engine", lambda: time_engine(paged, prompts, work, device))
+    parts.append(f"engine[{kernel}] {engine_tps:.0f} tok/s")
+    step = phase("engine decode step", lambda: engine_decode_step(paged, prompts, work, device))
+    forward = phase("forward-only", lambda: forward_only_decode(ref, prompts, device))  # before hf_cb switches it
+    step_ratio = step / forward
+    parts.append(
+        f"decode step of {len(prompts)}: engine {step * 1e3:.2f} ms vs sdpa forward-only {forward * 1e3:.2f} ms = "
+        f"{step_ratio:.2f}x (goal <= 1.3x: {'met' if step_ratio <= 1.3 else 'NOT met'})"
+    )
+    cb_tps, cb_out, cb_how = phase("hf_cb", lambda: time_hf_cb(ref, prompts, work))
+    ratio = engine_tps / cb_tps
+    same = sum(a == b for a, b in zip(engine_out, cb_out, strict=True))
+    parts.append(
+        f"hf_cb[{cb_how}] {cb_tps:.0f} tok/s: engine = {ratio:.2f}x "
+        f"(goal >= 2x: {'met' if ratio >= 2 else 'NOT met'}); "
+        f"{same}/{len(prompts)} requests' tokens equal hf_cb's (bf16: not judged)"
+    )
+    return "; ".join(parts)
+
+
+def e2e_parity(device: str, tiny: bool, kernels: list[str]) -> str:
+    """The model's architecture with 2 layers: paged (each of ``kernels``) against sdpa, greedy,
+    through prefix hits, chunked prefill and mixed steps, with every varlen step prefilling straight
+    from the pages (no gather); fp32, or bf16 for flash-attn (no fp32). Returns the detail line."""
+    config = qwen2_config(tiny, num_layers=2)
+    gen = torch.Generator().manual_seed(4)
+    head = torch.randint(2, config.vocab_size, (40,), generator=gen).tolist()  # shared: prefix hits
+    tails = (5, 30, 80) if tiny else (5, 30, 80, 150, 300)
+    prompts = [head + torch.randint(2, config.vocab_size, (n,), generator=gen).tolist() for n in tails]
+    new = 8 if tiny else NEW_TOKENS
+    parts = [parity_of_kernel(config, prompts, new, kernel, device) for kernel in kernels]
+    lens = f"{len(head) + min(tails)}-{len(head) + max(tails)}"
+    return f"{len(prompts)} prompts of {lens} tokens (shared first 40) x {new}: " + "; ".join(parts)
+
+
+def parity_of_kernel(config, prompts: list[list[int]], new: int, kernel: str, device: str) -> str:
+    from transformers import AutoModelForCausalLM
+
+    from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
+    from hf_paged_attn.cache import PagedLayer
+    from hf_paged_attn.devtools.testing import compare_greedy
+    from hf_paged_attn.kernels import BACKENDS
+
+    dtype = torch.bfloat16 if kernel == "flash" else torch.float32
+    directory = save_qwen2(config, device, dtype)
+    ref, paged = (
+        AutoModelForCausalLM.from_pretrained(directory, attn_implementation=a, dtype=dtype).to(device).eval()
+        for a in ("sdpa", "paged")
+    )
+    expected = []
+    for p in prompts:
+        ids = torch.tensor([p], device=device)
+        out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False)
+        expected.append(out[0, len(p) :].tolist())
+    backend = BACKENDS[kernel].load(torch.device(device))
+    counts = Counter()
+    gather, prefill = PagedLayer.gather, backend.paged_prefill_attention
+    PagedLayer.gather = lambda self, slots: counts.update(["gather"]) or gather(self, slots)
+    backend.paged_prefill_attention = lambda *a, **k: counts.update(["prefill"]) or prefill(*a, **k)
+    block = 256 if kernel == "flash" else 16
+    try:
+        # 64 tokens a step: prompts of 45-340 tokens prefill in chunks beside other requests' decodes
+        engine = ContinuousBatchingEngine(
+            paged, PagedConfig(kernel=kernel, block_size=block, max_batch_tokens=64, num_blocks=256)
+        )
+        first = engine.generate(prompts[:1], max_new_tokens=new)  # its full blocks are cached now
+        outs = first + engine.generate(prompts[1:], max_new_tokens=new)
+    finally:
+        PagedLayer.gather, backend.paged_prefill_attention = gather, prefill
+    got = [o.output_ids for o in outs]
+    problems = compare_greedy(ref, prompts, expected, got, TIE_TOLERANCE[dtype])
+    if problems:
+        raise AssertionError(f"{kernel}: " + "; ".join(problems))
+    cached = sum(o.num_cached_tokens for o in outs)
+    if counts["gather"] or not counts["prefill"] or not (cached or block > 40):
+        raise AssertionError(f"{kernel}: {dict(counts)} gathers/prefill calls, {cached} cached tokens")
+    exact = sum(a == b for a, b in zip(expected, got, strict=True))
+    return (
+        f"{kernel} ({str(dtype)[6:]}): {exact}/{len(prompts)} equal (rest up to a near-tie), "
+        f"{counts['prefill']} paged prefill calls, 0 gathers, {cached} cached tokens"
+    )
+
+
+def check_e2e(kind: str, backends: dict[str, object], device: str = "cuda", tiny: bool = False) -> None:
+    check = f"e2e/{kind}"
+    try:
+        start = time.perf_counter()
+        if kind == "bf16":
+            detail = e2e_throughput(device, tiny)
+        else:
+            kernels = [k for k in ("triton", "flash") if not isinstance(backends.get(k, "absent"), str)]
+            if not kernels:
+                report("SKIPPED", check, f"no kernel that prefills from the pages: {backends}")
+                return
+            detail = e2e_parity(device, tiny, kernels)
+        report("PASS", check, f"{detail}, {time.perf_counter() - start:.1f}s")
+    except Exception as exc:  # report, never crash the script
+        report("FAIL", check, short_error(exc))
+        traceback.print_exc(file=sys.stderr)
+    finally:
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
+def tiny_e2e_dry_run(wanted: list[str]) -> int:
+    """``--tiny``: the e2e checks on a tiny model on this machine's CPU, Triton through its
+    interpreter: their code path runs before a GPU ever sees it (figures meaningless)."""
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "1"  # before the first import of triton
+    from hf_paged_attn.kernels import BACKENDS
+
+    BACKENDS["triton"].is_available = lambda device: True
+    backends = load_backends()
+    for check in wanted:
+        if check.startswith("e2e/"):
+            check_e2e(check.split("/")[1], {"triton": backends["triton"]}, device="cpu", tiny=True)
+    return 1 if failures else 0
+
+
+# ----------------------------------------------------------------------------------------------
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="", help="comma-separated check prefixes (e.g. kernels/triton,greedy)")
+    parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tiny_e2e_dry_run
     args = parser.parse_args()
     wanted = [c for c in CHECKS if not args.only or any(c.startswith(p) for p in args.only.split(","))]
+    if args.tiny:
+        return tiny_e2e_dry_run(wanted)
 
     if not torch.cuda.is_available():
         for check in wanted:
@@ -820,6 +1155,8 @@ def main() -> int:
                 check_mixed(rest[0], directory)
             elif kind == "graphs":
                 check_graphs(rest[0], backends)
+            elif kind == "e2e":
+                check_e2e(rest[0], backends)
             else:
                 check_bandwidth(backends, rest[0])
         except Exception as exc:  # one broken check must not hide the others

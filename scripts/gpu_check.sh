@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check: kernel parity, greedy parity of a tiny Llama (also with half its layers on the CPU),
-# decode bandwidth (scripts/gpu_check.py).
+# decode bandwidth, an end-to-end run of a 0.5B Qwen2-shaped model (scripts/gpu_check.py).
 # Under 5 minutes on one H100/H200, no network. Prints one [PASS|FAIL|SKIPPED] line per check; on a
 # machine without CUDA every check is SKIPPED and it exits 0. Extra arguments go to gpu_check.py
 # (e.g. --only kernels/triton).

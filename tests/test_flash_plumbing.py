@@ -285,6 +285,13 @@ def test_write_kv_skips_negative_slots() -> None:
     fb.write_kv(k, v, k_cache, v_cache, torch.tensor([300, -1, 7]))
     assert k_cache.sum() == 8 and v_cache.sum() == 16
     assert torch.equal(k_cache[1, 44], k[0]) and torch.equal(v_cache[0, 7], v[2])
+    before = k_cache.clone()
+    fb.write_kv(k, v, k_cache, v_cache, torch.tensor([-1, -1, -1]))  # nothing kept: nothing changes
+    assert torch.equal(k_cache, before)
+    k_cache[0, 0] = 5.0
+    fb.write_kv(k, v, k_cache, v_cache, torch.tensor([-1, 9, -1]))  # slot 0 is left alone
+    assert k_cache[0, 0].tolist() == [[5.0] * 4] and torch.equal(k_cache[0, 9], k[1])
+    assert k_cache.sum() == 8 + 20 + 4
 
 
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash-attn is installed")

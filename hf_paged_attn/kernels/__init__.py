@@ -24,6 +24,13 @@ softmax_scale, causal=True, window_size=(-1, -1), softcap=0.0, sinks=None) -> ou
     attend to, the new one included. block_table: int32 [batch, max_blocks_per_seq], -1 for unallocated.
     Returns [batch, 1, num_heads, head_dim].
 
+A backend that sets ``PREFILL_FROM_PAGES = True`` also has ``write_kv(k, v, k_cache, v_cache,
+slot_mapping)`` and ``paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seqused_k,
+block_table, max_seqlen_q, *, softmax_scale, causal, window_size, softcap, sinks)``: on the varlen
+path the cache then writes the step's K/V with ``write_kv`` and gathers nothing, and the attention
+reads each request's first ``seqused_k[b]`` keys straight from the pages through its block table.
+Without it (the torch backend, the CPU path) the cache gathers packed K/V for ``varlen_attention``.
+
 The registry below is the one place that says, for each backend, when it can run (device, dtype,
 attention sinks), which block sizes it accepts and its default, and whether CUDA graphs can capture
 its decode step: ``kernel="auto"``,

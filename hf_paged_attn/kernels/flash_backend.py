@@ -19,6 +19,10 @@ from . import BACKENDS
 
 __all__ = ["paged_decode_attention", "paged_prefill_attention", "varlen_attention", "write_kv"]
 
+# The varlen path writes K/V with ``write_kv`` and attends with ``paged_prefill_attention``
+# (flash_attn_varlen_func with a block_table, flash-attn >= 2.5): no gather
+PREFILL_FROM_PAGES = True
+
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -207,9 +211,20 @@ def write_kv(
 
     k, v: [N, H_kv, D]; k_cache, v_cache: [num_blocks, block_size, H_kv, D]; slot_mapping: [N],
     slot = block * block_size + offset, -1 skips the token.
-    """
-    keep = slot_mapping >= 0  # [N]
-    slots = slot_mapping[keep].long()
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[keep].to(k_cache.dtype))  # [slots, H_kv, D]
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[keep].to(v_cache.dtype))
 
+    No device sync (it runs once per layer of every prefill step): rather than dropping skipped
+    tokens (a boolean index waits for the device), a skipped token rewrites the first kept token's
+    slot with that token's K/V, or slot 0 with its own content when no token is kept, so duplicate
+    targets always receive identical values.
+    """
+    slots = slot_mapping.long()  # [N]
+    keep = slots >= 0
+    first = keep.int().argmax()  # the first kept token, 0 when none is
+    any_kept = keep[first]
+    spare_slot = torch.where(any_kept, slots[first], 0)
+    targets = torch.where(keep, slots, spare_slot)  # [N]
+    for new, cache in ((k, k_cache), (v, v_cache)):
+        flat = cache.view(-1, *cache.shape[2:])  # [num_slots, H_kv, D]
+        new = new.to(cache.dtype)
+        spare = torch.where(any_kept, new[first], flat[0])  # [H_kv, D]
+        flat.index_copy_(0, targets, torch.where(keep[:, None, None], new, spare))

@@ -36,6 +36,9 @@ except ImportError as exc:  # pragma: no cover - exercised only where triton is 
 
 __all__ = ["paged_decode_attention", "paged_prefill_attention", "varlen_attention", "write_kv"]
 
+# The varlen path writes K/V with ``write_kv`` and attends with ``paged_prefill_attention``: no gather
+PREFILL_FROM_PAGES = True
+
 # Tile sizes. Decode is memory bound: tiles only need to be big enough to keep loads wide.
 _DECODE_BLOCK_N = 64
 _PREFILL_BLOCK_M = 64  # rows of a query tile = queries x (padded) query heads of one KV head
@@ -83,26 +86,27 @@ def _dot(a, b, DOT_FP32: tl.constexpr):
 @triton.jit
 def _write_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    num_kv_heads, head_dim, block_size,
+    num_tokens, num_kv_heads, head_dim, block_size,
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
     stride_kcb, stride_kcs, stride_kch, stride_kcd,
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Grid (num_tokens, cdiv(num_kv_heads, BLOCK_H)): copy one token's K/V heads into its slot."""
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
-    d = tl.arange(0, BLOCK_D)[None, :]  # [1, BLOCK_D]
-    slot = tl.load(slot_ptr + t).to(tl.int64)
+    """Grid (cdiv(num_tokens, BLOCK_T), cdiv(num_kv_heads, BLOCK_H)): copy BLOCK_T tokens' K/V heads
+    into their slots (a program per token would be mostly launch overhead for small heads)."""
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None, None]  # [BLOCK_T, 1, 1]
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[None, :, None]  # [1, BLOCK_H, 1]
+    d = tl.arange(0, BLOCK_D)[None, None, :]  # [1, 1, BLOCK_D]
+    t_ok = t < num_tokens
+    slot = tl.load(slot_ptr + t, mask=t_ok, other=-1).to(tl.int64)  # [BLOCK_T, 1, 1]
     # slot -1 (padding, or a token whose K/V must not be stored) is masked out, not branched on, and
-    # clamped so that no negative address is ever formed. The mask is built as a block: the
-    # interpreter rejects masks made by and-ing a block with a scalar.
-    keep = (tl.zeros([BLOCK_H, 1], tl.int64) + slot) >= 0  # [BLOCK_H, 1]
+    # clamped so that no negative address is ever formed.
+    keep = t_ok & (slot >= 0)
     slot = tl.maximum(slot, 0)
     blk = slot // block_size
     off = slot % block_size
-    mask = (h < num_kv_heads) & (d < head_dim) & keep
+    mask = keep & (h < num_kv_heads) & (d < head_dim)  # [BLOCK_T, BLOCK_H, BLOCK_D]
     key = tl.load(k_ptr + t * stride_kt + h * stride_kh + d * stride_kd, mask=mask)
     val = tl.load(v_ptr + t * stride_vt + h * stride_vh + d * stride_vd, mask=mask)
     k_dst = k_cache_ptr + blk * stride_kcb + off * stride_kcs
@@ -451,12 +455,13 @@ def write_kv(
     block_d = triton.next_power_of_2(head_dim)
     # ~4K elements per program: enough to keep a warp group busy, few programs under the interpreter.
     block_h = min(triton.next_power_of_2(num_kv_heads), max(1, 4096 // block_d))
-    grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
+    block_t = min(triton.next_power_of_2(num_tokens), max(1, 4096 // (block_h * block_d)))
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_kv_heads, block_h))
     _write_kv_kernel[grid](
         k, v, k_cache, v_cache, slot_mapping.contiguous(),
-        num_kv_heads, head_dim, block_size,
+        num_tokens, num_kv_heads, head_dim, block_size,
         *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
-        BLOCK_H=block_h, BLOCK_D=block_d,
+        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
     )  # fmt: skip
 
 
