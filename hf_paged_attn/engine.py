@@ -170,7 +170,8 @@ class ContinuousBatchingEngine(BatchAPI):
         sampled = [s.request for s in plan.scheduled if s.request.num_computed_tokens == s.request.num_tokens]
         rows = [row for row, r in enumerate(sampled) if r.group is None]
         outputs = []
-        for row, sample in zip(rows, sample_rows(logits[rows], [sampled[row] for row in rows], self.generator)):
+        mine = logits if len(rows) == len(sampled) else logits[rows]  # no beams: no [rows, vocab] copy
+        for row, sample in zip(rows, sample_rows(mine, [sampled[row] for row in rows], self.generator)):
             siblings = self._fork(sampled[row], logits[row : row + 1]) if sampled[row].children else []
             for r, s in [(sampled[row], sample), *siblings]:
                 outputs += self._update(r, s, logits[row : row + 1])

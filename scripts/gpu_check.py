@@ -1,4 +1,5 @@
-"""One prepared GPU check (under 5 minutes on one H100/H200, no network). Prints one line per check:
+"""One prepared GPU check (about 5 minutes on one H100/H200 before checks (h) and (i), whose time is
+not yet measured; no network). Prints one line per check:
 
     [PASS|FAIL|SKIPPED] <check>: <details>
 
@@ -20,6 +21,12 @@
     accelerate runs the CPU half on the GPU and streams its weights in; ``split``:
     ``dispatch_model(..., main_device="cpu")``, where the CPU half runs on the CPU, so pages live on
     both devices and each step's metadata is copied to the CPU once.
+(h) graphs/fp32, graphs/bf16: CUDA graphs of decode steps: greedy parity with ``cuda_graphs=True``
+    (Triton; buckets captured once and replayed), and the ``uniform`` workload with graphs off vs on.
+(i) e2e/bf16, e2e/fp32-parity: a ~0.5B-parameter random Qwen2 (Qwen2.5-0.5B's shapes) in bf16, the
+    engine against transformers' continuous batching with its CUDA graphs, and a decode step against
+    the forward-only time; then the same architecture with 2 layers in fp32, paged (prefill straight
+    from the pages) against sdpa, token for token.
 (h) e2e/bf16: a ~0.5B-parameter random-weight Qwen2-shaped model (Qwen2.5-0.5B's sizes), 64 prompts
     of 64-512 tokens x 128 greedy tokens: the engine (best kernel) against transformers' continuous
     batching with CUDA graphs on, new tokens/s of each and the ratio (goal >= 2x); and one engine
