@@ -58,6 +58,8 @@ class KVBlockManager:
 
     def tables(self, request: Request) -> list[list[int]]:
         """The request's block table of each group (group 0's is ``request.block_ids``)."""
+        if len(self.groups) < 2:  # one group: the common case, called several times per request and step
+            return [request.block_ids]
         missing = len(self.groups) - 1 - len(request.extra_block_ids)
         if missing > 0:
             request.extra_block_ids.extend([] for _ in range(missing))
