@@ -9,11 +9,13 @@ not yet measured; no network). Prints one line per check:
 (b) greedy/<dtype>/<kernel>: a tiny random Llama, ``attn_implementation="paged"`` with
     ``PagedConfig(kernel=...)`` against ``"sdpa"``, 32 greedy tokens per prompt through the public API.
 (c) bandwidth/<backend>: paged decode microbenchmark, K/V bytes read per second as a fraction of
-    the device's peak memory bandwidth.
+    the device's peak memory bandwidth, kernel-only (calls replayed from a CUDA graph), then the time
+    of one call with its host launches (what runs before 2026-12 printed alone).
 (d) cascade/fp32: requests decoding together over a shared 96-token prefix take the torch
     backend's cascade path on CUDA and match sdpa token for token.
-(e) splitk/bf16: the Triton decode kernel's time against the number of split-K partitions
-    (figures only, to tune ``_choose_num_splits``).
+(e) splitk/bf16: the Triton decode kernel's kernel-only bandwidth against the number of split-K
+    partitions, at block_size 256 and 16, and by launch knobs (figures only, to tune
+    ``_choose_num_splits`` and ``_DECODE_BLOCK_N`` / warps / stages).
 (f) throughput/bf16: the benchmark's ``uniform`` workload (64 requests, 30M-parameter Llama) on the
     GPU: the engine with each kernel against transformers' padded ``generate`` and continuous batching.
 (g) mixed/offload, mixed/split: the tiny Llama with half its layers on ``cuda:0`` and half on the
@@ -401,7 +403,73 @@ def time_cuda(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> flo
     return sorted(times)[len(times) // 2]
 
 
+KERNEL_CALLS = 50  # calls per timed CUDA graph (or per queued burst)
+
+
+def time_kernel(
+    fn: Callable[[], object], graph: bool = True, calls: int = KERNEL_CALLS, reps: int = 5
+) -> tuple[float, str]:
+    """(seconds per call of ``fn``'s device work without host launch overhead, how it was timed).
+
+    ``time_cuda`` times one call between two events: on an idle GPU the end event waits for the host
+    to launch every kernel, so for a 30 us kernel it mostly measures Python and launch latency. Here
+    ``calls`` calls are captured in one CUDA graph and the median replay over ``reps`` is divided by
+    ``calls``. ``graph=False`` (a backend that syncs with the host, which a graph cannot hold) queues
+    the calls back to back instead: a lower bound on throughput only if the host keeps ahead.
+    """
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    if graph:
+        side = torch.cuda.Stream()  # warm-up on a side stream, as torch.cuda.graphs recommends
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            for _ in range(calls):
+                fn()
+        run, how = cuda_graph.replay, f"a graph of {calls} calls"
+    else:
+
+        def run() -> None:
+            for _ in range(calls):
+                fn()
+
+        how = f"{calls} queued calls"
+    run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / calls)
+    return sorted(times)[len(times) // 2], how
+
+
+def decode_problem(batch: int, ctx: int, block_size: int, h_kv: int, group: int, d: int):
+    """bf16 pages holding ``ctx`` tokens per request under a shuffled block table, a query per request,
+    and the K/V bytes one decode call reads."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    blocks = batch * ctx // block_size
+    k_cache = torch.randn(blocks, block_size, h_kv, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    table = torch.randperm(blocks, device="cuda").int().view(batch, ctx // block_size)  # shuffled pages
+    q = torch.randn(batch, 1, h_kv * group, d, device="cuda", dtype=torch.bfloat16)
+    seqlens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")  # k/v None: no append
+    moved = 2 * batch * ctx * h_kv * d * k_cache.element_size()  # K and V bytes read
+    return q, k_cache, v_cache, seqlens, table, moved
+
+
 def check_bandwidth(backends: dict[str, object], name: str) -> None:
+    """Kernel-only time (CUDA graph replay) and bandwidth, then the per-call time as ``time_cuda``
+    measures it (host launches included, the figure earlier runs printed)."""
+    from hf_paged_attn.kernels import BACKENDS
+
     check = f"bandwidth/{name}"
     backend = backends[name]
     if isinstance(backend, str):
@@ -411,34 +479,34 @@ def check_bandwidth(backends: dict[str, object], name: str) -> None:
     peak = peak_bandwidth(device_name)
     h_kv, group, d, bs = 8, 4, 128, 256
     parts = []
+    how = ""
     try:
         # A large batch (bandwidth bound across requests) and one long request (split-K's case).
         for batch, ctx in ((64, 4096), (1, 32768)):
-            gen = torch.Generator(device="cuda").manual_seed(0)
-            blocks = batch * ctx // bs
-            k_cache = torch.randn(blocks, bs, h_kv, d, generator=gen, device="cuda", dtype=torch.bfloat16)
-            v_cache = torch.randn_like(k_cache)
-            table = torch.randperm(blocks, device="cuda").int().view(batch, ctx // bs)  # shuffled pages
-            q = torch.randn(batch, 1, h_kv * group, d, device="cuda", dtype=torch.bfloat16)
-            seqlens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")  # k/v None: no append
+            q, k_cache, v_cache, seqlens, table, moved = decode_problem(batch, ctx, bs, h_kv, group, d)
 
             def step(q=q, k_cache=k_cache, v_cache=v_cache, seqlens=seqlens, table=table):
                 return backend.paged_decode_attention(
                     q, k_cache, v_cache, None, None, seqlens, table, softmax_scale=d**-0.5
                 )
 
-            seconds = time_cuda(step)
-            moved = 2 * batch * ctx * h_kv * d * k_cache.element_size()  # K and V bytes read
+            seconds, how = time_kernel(step, graph=BACKENDS[name].graph_safe)
+            per_call = time_cuda(step)
             rate = moved / seconds
             share = f" = {rate / peak:.0%} of {peak / 1e12:.2f} TB/s" if peak else ""
-            parts.append(f"B={batch} ctx={ctx}: {seconds * 1e3:.3f} ms, {rate / 1e12:.2f} TB/s{share}")
-            del k_cache, v_cache
+            parts.append(
+                f"B={batch} ctx={ctx}: {seconds * 1e3:.3f} ms, {rate / 1e12:.2f} TB/s{share}; "
+                f"per call {per_call * 1e3:.3f} ms, {moved / per_call / 1e12:.2f} TB/s"
+            )
+            del q, k_cache, v_cache, seqlens, table, step
             torch.cuda.empty_cache()
     except Exception as exc:
         report("FAIL", check, short_error(exc) + (f" (after: {'; '.join(parts)})" if parts else ""))
+        traceback.print_exc(file=sys.stderr)
         return
     where = device_name if peak else f"{device_name}, peak unknown: absolute only"
-    report("PASS", check, f"bf16 H_kv={h_kv} group={group} D={d} block={bs} on {where}; " + "; ".join(parts))
+    head = f"bf16 H_kv={h_kv} group={group} D={d} block={bs} on {where}, kernel time from {how}"
+    report("PASS", check, head + "; " + "; ".join(parts))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -496,23 +564,29 @@ def check_cascade(directory: str | None) -> None:
 
 
 def check_splitk(backends: dict[str, object]) -> None:
+    """Kernel-only TB/s (CUDA graph replay) of the Triton decode by split-K count, ``auto`` being
+    ``_choose_num_splits`` (its count in brackets), with the per-call time of ``auto``; the same at
+    block_size 16 (the engine's default for Triton: tiles span pages); then, for one 32K-token
+    request, by launch knobs (keys per iteration, warps, pipeline stages)."""
     check = "splitk/bf16"
     backend = backends["triton"]
     if isinstance(backend, str):
         report("SKIPPED", check, f"backend unavailable ({backend})")
         return
-    h_kv, group, d, bs = 8, 4, 128, 256
+    h_kv, group, d = 8, 4, 128
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     parts = []
+    cases = (
+        (256, 1, 32768, (8, 16, 33, 66, 128)),
+        (256, 8, 8192, (1, 4, 8, 17, 33)),
+        (256, 64, 4096, (1, 2, 4)),
+        (16, 1, 32768, (33, 128)),
+        (16, 64, 4096, (1,)),
+    )
     try:
-        for batch, ctx, choices in ((1, 32768, (8, 16, 33, 64, 128)), (8, 8192, (1, 4, 8, 17)), (64, 4096, (1, 2, 4))):
-            gen = torch.Generator(device="cuda").manual_seed(0)
-            blocks = batch * ctx // bs
-            k_cache = torch.randn(blocks, bs, h_kv, d, generator=gen, device="cuda", dtype=torch.bfloat16)
-            v_cache = torch.randn_like(k_cache)
-            table = torch.randperm(blocks, device="cuda").int().view(batch, ctx // bs)
-            q = torch.randn(batch, 1, h_kv * group, d, device="cuda", dtype=torch.bfloat16)
-            seqlens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-            moved = 2 * batch * ctx * h_kv * d * 2
+        for bs, batch, ctx, choices in cases:
+            q, k_cache, v_cache, seqlens, table, moved = decode_problem(batch, ctx, bs, h_kv, group, d)
+            auto = backend._choose_num_splits(batch, h_kv, table.shape[1] * bs, sms)
             row = []
             for splits in (None, *choices):
 
@@ -521,15 +595,50 @@ def check_splitk(backends: dict[str, object]) -> None:
                         q, k_cache, v_cache, None, None, seqlens, table, softmax_scale=d**-0.5, num_splits=splits
                     )
 
-                seconds = time_cuda(step)
-                row.append(f"{splits or 'auto'}:{moved / seconds / 1e12:.2f}")
-            parts.append(f"B={batch} ctx={ctx} TB/s by splits " + " ".join(row))
-            del k_cache, v_cache
+                seconds, _ = time_kernel(step)
+                row.append(f"{f'auto({auto})' if splits is None else splits}:{moved / seconds / 1e12:.2f}")
+                if splits is None:
+                    per_call = time_cuda(step)
+            block = "" if bs == 256 else f"block={bs} "
+            parts.append(
+                f"{block}B={batch} ctx={ctx} TB/s by splits "
+                + " ".join(row)
+                + f" (auto per call {per_call * 1e3:.3f} ms)"
+            )
+            del q, k_cache, v_cache, seqlens, table, step
             torch.cuda.empty_cache()
+        parts.append(splitk_knobs(backend, h_kv, group, d))
     except Exception as exc:
         report("FAIL", check, short_error(exc) + (f" (after: {'; '.join(parts)})" if parts else ""))
+        traceback.print_exc(file=sys.stderr)
         return
     report("PASS", check, "; ".join(parts))
+
+
+def splitk_knobs(backend, h_kv: int, group: int, d: int) -> str:
+    """One 32K-token request, automatic splits, by (keys per iteration, num_warps, num_stages); the
+    backend's module constants are set for the sweep and restored after. None: Triton's default."""
+    knobs = ("_DECODE_BLOCK_N", "_DECODE_NUM_WARPS", "_DECODE_NUM_STAGES")
+    saved = {k: getattr(backend, k) for k in knobs}
+    q, k_cache, v_cache, seqlens, table, moved = decode_problem(1, 32768, 256, h_kv, group, d)
+
+    def step() -> torch.Tensor:
+        return backend.paged_decode_attention(q, k_cache, v_cache, None, None, seqlens, table, softmax_scale=d**-0.5)
+
+    row = []
+    try:
+        for block_n, warps, stages in ((64, None, None), (32, None, None), (128, None, None), (64, 8, None),
+                                       (128, 8, None), (64, 4, 2), (64, 4, 4), (128, 4, 2), (32, 4, 4)):  # fmt: skip
+            backend._DECODE_BLOCK_N, backend._DECODE_NUM_WARPS, backend._DECODE_NUM_STAGES = block_n, warps, stages
+            try:
+                seconds, _ = time_kernel(step)
+                row.append(f"{block_n}/{warps or '-'}/{stages or '-'}:{moved / seconds / 1e12:.2f}")
+            except Exception as exc:  # e.g. out of shared memory: report it and go on
+                row.append(f"{block_n}/{warps or '-'}/{stages or '-'}:{type(exc).__name__}")
+    finally:
+        for k, value in saved.items():
+            setattr(backend, k, value)
+    return "B=1 ctx=32768 auto TB/s by keys/warps/stages " + " ".join(row)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -256,6 +256,78 @@ def test_decode_split_k_with_a_long_context() -> None:
     check_decode(case)
 
 
+def _decode_with_append(lens, block_size, num_splits, *, unallocated=(), num_kv_heads=2, group=3, head_dim=16):
+    """paged_decode_attention with k/v on fresh pages. Returns the request lengths, the pages before
+    the call and after it, the expected pages, and the output against the reference.
+
+    ``unallocated``: requests whose new token starts a block that is -1 in the table (lens[b] a multiple
+    of the block size): their store is skipped."""
+    gen = torch.Generator().manual_seed(11)
+    h_kv, h, d, bs = num_kv_heads, num_kv_heads * group, head_dim, block_size
+    k_cache, v_cache, table = make_pages([n + 1 for n in lens], bs, h_kv, d, torch.float32, gen)
+    for b in unallocated:
+        assert lens[b] % bs == 0, "only a new block can be unallocated"
+        table[b, lens[b] // bs] = -1
+    q = torch.randn(len(lens), 1, h, d, generator=gen)
+    # transformers hands K/V over as transposed views: [B, 1, H_kv, D] with non-contiguous strides
+    k_new = torch.randn(h_kv, len(lens), d, generator=gen).transpose(0, 1).unsqueeze(1)
+    v_new = torch.randn(h_kv, len(lens), d, generator=gen).transpose(0, 1).unsqueeze(1)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    for b, n in enumerate(lens):
+        if b not in unallocated:
+            expected_k[table[b, n // bs], n % bs] = k_new[b, 0]
+            expected_v[table[b, n // bs], n % bs] = v_new[b, 0]
+    out = tb.paged_decode_attention(
+        q, k_cache, v_cache, k_new, v_new, torch.tensor(lens, dtype=torch.int32), table,
+        softmax_scale=d**-0.5, num_splits=num_splits,
+    )  # fmt: skip
+    assert torch.equal(k_cache, expected_k), "K pages other than the new slots changed"
+    assert torch.equal(v_cache, expected_v), "V pages other than the new slots changed"
+    for b, n in enumerate(lens):
+        row = table[b].clone()
+        row[row < 0] = 0  # an unallocated block's key comes from k_new below, never from the pages
+        keys = torch.cat([reference.gather_pages(expected_k, row, n), k_new[b]])  # [n + 1, H_kv, D]
+        values = torch.cat([reference.gather_pages(expected_v, row, n), v_new[b]])
+        ref = reference.attend_one(q[b], keys, values, softmax_scale=d**-0.5)
+        assert_close(out[b], ref, FP32_TOL, f"decode request {b} (len {n}, splits {num_splits})")
+
+
+@pytest.mark.parametrize("block_size", [16, 128])  # tiles spanning pages, and tiles inside one page
+def test_fused_append_writes_exactly_the_new_slots_under_split_k(block_size: int) -> None:
+    """The append runs inside the decode kernel, in one split of each request: with many splits,
+    every page but the new tokens' slots is left bit for bit, and each query sees its own new key
+    exactly once (lengths at tile and page edges, 0, and a request whose new block is unallocated)."""
+    _decode_with_append([0, 63, 64, 200, 128], block_size, num_splits=6, unallocated=(4,))
+
+
+def test_auto_split_k_on_a_long_context_and_a_short_one() -> None:
+    """The automatic rule picks split-K for a long request; the kernel keeps the short request of the
+    same batch on few splits (each >= _MIN_TOKENS_PER_SPLIT), and the result matches the reference."""
+    lens, bs = [1100, 7], 16
+    width = max(blocks_for(n + 1, bs) for n in lens) + 1  # make_pages' table width
+    assert tb._choose_num_splits(len(lens), 1, width * bs, tb._num_sms(torch.device("cpu"))) > 1
+    _decode_with_append(lens, bs, num_splits=None, num_kv_heads=1)
+
+
+def test_choose_num_splits_fills_the_gpu_with_long_splits() -> None:
+    choose = tb._choose_num_splits
+    assert choose(1, 8, 32768, 132) == 66  # one long request: 528 programs of ~500 tokens
+    assert choose(64, 8, 4096, 132) == 2  # a full batch already nearly fills the SMs
+    assert choose(512, 8, 4096, 132) == 1
+    assert choose(1, 8, 300, 132) == 1  # too short to split
+    assert choose(1, 1, 1 << 20, 132) == tb._MAX_SPLITS
+    for batch in (1, 2, 3, 8, 33, 64, 256):
+        for max_len in (16, 255, 256, 1000, 4096, 32768, 131072):
+            splits = choose(batch, 8, max_len, 132)
+            assert 1 <= splits <= tb._MAX_SPLITS
+            assert splits == 1 or splits * tb._MIN_TOKENS_PER_SPLIT <= max_len  # no split too short
+            programs = batch * 8 * splits
+            # Under-filled only when the context (or the cap) forbids more splits.
+            capped = splits == min(max(1, max_len // tb._MIN_TOKENS_PER_SPLIT), tb._MAX_SPLITS)
+            assert programs >= tb._PROGRAMS_PER_SM * 132 or capped
+            assert splits == 1 or batch * 8 * (splits - 1) < tb._PROGRAMS_PER_SM * 132  # no more than needed
+
+
 def test_paged_prefill_long_chunks_with_a_window() -> None:
     """Several query tiles per request, a prefix of many pages, and a window that skips pages."""
     case = dict(

@@ -40,11 +40,17 @@ __all__ = ["paged_decode_attention", "paged_prefill_attention", "varlen_attentio
 PREFILL_FROM_PAGES = True
 
 # Tile sizes. Decode is memory bound: tiles only need to be big enough to keep loads wide.
-_DECODE_BLOCK_N = 64
+_DECODE_BLOCK_N = 64  # keys per decode loop iteration (halved for head_dim > 128)
 _PREFILL_BLOCK_M = 64  # rows of a query tile = queries x (padded) query heads of one KV head
 _PREFILL_BLOCK_N = 64
+# Split-K (see _choose_num_splits). The launch knobs are module constants so that
+# scripts/gpu_check.py can sweep them on a GPU; None leaves Triton's default.
+_PROGRAMS_PER_SM = 4
 _MIN_TOKENS_PER_SPLIT = 256  # below this, a split-K partition costs more than it saves
-_MAX_SPLITS = 64
+_MAX_SPLITS = 128
+_REDUCE_CHUNK_S = 16  # splits merged per reduce iteration
+_DECODE_NUM_WARPS: int | None = None
+_DECODE_NUM_STAGES: int | None = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -117,16 +123,18 @@ def _write_kv_kernel(
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, block_table_ptr, sinks_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, seqlens_ptr, block_table_ptr, sinks_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
     softmax_scale, softcap, window_left,
-    group, head_dim, block_size, num_splits,
+    group, head_dim, num_splits, min_tiles_per_split,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_knb, stride_knh, stride_knd,
+    stride_vnb, stride_vnh, stride_vnd,
     stride_btb, stride_bts,
     stride_ob, stride_oh, stride_od,
-    NEW_TOKENS: tl.constexpr,
+    PAGE: tl.constexpr, NEW_TOKEN: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
     SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
@@ -137,22 +145,31 @@ def _decode_kernel(
     request b's visible key tiles. With ``SPLIT`` it writes a normalised partial output and its
     base-2 log-sum-exp to part_out [B, H, S, D] / part_lse [B, H, S] (contiguous, fp32) for
     ``_decode_reduce_kernel``; otherwise it finishes the softmax (sinks included) itself.
+
+    NEW_TOKEN: the new token's K/V (k_new/v_new [B, H_kv, D]) belong at position cache_len. Split 0
+    of each (b, kvh) stores them into their slot and attends them from registers as one more key
+    (the softmax merge does not care which split holds a key); every program masks that position
+    out of its cache loads, so no program reads the slot while it is written and the append needs
+    no launch of its own.
     """
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
 
-    seq_len = tl.load(seqlens_ptr + b).to(tl.int32) + NEW_TOKENS  # keys the query attends
+    cache_len = tl.load(seqlens_ptr + b).to(tl.int32)  # keys already in the pages
+    seq_len = cache_len + NEW_TOKEN  # keys the query attends
     # The query sits at position seq_len - 1; causality hides nothing (no later key exists), only a
-    # left window can: keys j >= seq_len - 1 - window_left.
+    # left window can: keys j >= seq_len - 1 - window_left. The new token is always visible.
     win_start = 0
     if HAS_WINDOW:
         win_start = tl.maximum(seq_len - 1 - window_left, 0)
     tile_lo = win_start // BLOCK_N
     tile_hi = tl.cdiv(seq_len, BLOCK_N)
     # Split per request (not over a fixed max length) so that every split of a short request gets
-    # work too; a split left with no tile writes lse = -inf and is ignored by the reduce.
-    per_split = tl.cdiv(tile_hi - tile_lo, num_splits)
+    # work too, but never fewer than min_tiles_per_split tiles a split: the host sizes num_splits
+    # from the block table's width, an upper bound. A split left with no tile writes lse = -inf and
+    # is ignored by the reduce.
+    per_split = tl.maximum(tl.cdiv(tile_hi - tile_lo, num_splits), min_tiles_per_split)
     my_lo = tile_lo + split * per_split
     my_hi = tl.minimum(my_lo + per_split, tile_hi)
 
@@ -176,14 +193,21 @@ def _decode_kernel(
     v_head = v_cache_ptr + kvh * stride_vh + d[None, :] * stride_vd
     for tile in range(my_lo, my_hi):
         j0 = tile * BLOCK_N
-        # BLOCK_N divides block_size (both powers of two), so the whole tile lies in one page.
-        page = tl.load(bt_row + (j0 // block_size) * stride_bts).to(tl.int64)
-        slot = j0 % block_size + n  # [BLOCK_N] offsets inside the page
         j = j0 + n  # [BLOCK_N] absolute key positions
-        k_ok = (j < seq_len) & (j >= win_start)
+        k_ok = (j < cache_len) & (j >= win_start)  # the new token's slot is never read
+        if BLOCK_N <= PAGE:
+            # Both powers of two: the whole tile lies in one page, one block-table lookup.
+            page = tl.load(bt_row + (j0 // PAGE) * stride_bts).to(tl.int64)
+            k_rows = page * stride_kb + (j % PAGE) * stride_ks  # [BLOCK_N] element offsets
+            v_rows = page * stride_vb + (j % PAGE) * stride_vs
+        else:
+            # Small pages: the tile spans BLOCK_N // PAGE of them, one lookup per key (cached), so a
+            # loop iteration still moves a wide tile.
+            pages = tl.load(bt_row + (j // PAGE) * stride_bts, mask=k_ok, other=0).to(tl.int64)
+            k_rows = pages * stride_kb + (j % PAGE) * stride_ks
+            v_rows = pages * stride_vb + (j % PAGE) * stride_vs
         kv_mask = k_ok[:, None] & d_ok[None, :]
-        key = tl.load(k_head + page * stride_kb + slot[:, None] * stride_ks, mask=kv_mask, other=0.0)
-        # key: [BLOCK_N, BLOCK_D]
+        key = tl.load(k_head + k_rows[:, None], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         s = _dot(q, tl.trans(key), DOT_FP32)  # [BLOCK_G, BLOCK_N]
         s = _scores_log2(s, softmax_scale, softcap, SOFTCAP)
         s = tl.where(k_ok[None, :], s, float("-inf"))
@@ -192,8 +216,40 @@ def _decode_kernel(
         alpha = tl.exp2(m - m_use)
         p = tl.exp2(s - m_use[:, None])
         l = l * alpha + tl.sum(p, 1)  # noqa: E741
-        val = tl.load(v_head + page * stride_vb + slot[:, None] * stride_vs, mask=kv_mask, other=0.0)
+        val = tl.load(v_head + v_rows[:, None], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(val.dtype), val, DOT_FP32)
+        m = m_new
+
+    if NEW_TOKEN:
+        # Split 0 owns the new token: it exists for every request, whatever the window and length.
+        # Masks are built as blocks: the interpreter rejects block & scalar.
+        owner = (split == 0).to(tl.int32)
+        own_d = (tl.zeros([BLOCK_D], tl.int32) + owner) != 0  # [BLOCK_D]
+        new_mask = d_ok & own_d
+        dtype = k_cache_ptr.dtype.element_ty
+        k_new = tl.load(k_new_ptr + b.to(tl.int64) * stride_knb + kvh * stride_knh + d * stride_knd,
+                        mask=new_mask, other=0.0).to(dtype)  # fmt: skip
+        v_new = tl.load(v_new_ptr + b.to(tl.int64) * stride_vnb + kvh * stride_vnh + d * stride_vnd,
+                        mask=new_mask, other=0.0).to(dtype)  # fmt: skip
+        # Append: slot = block_table[b, cache_len // PAGE] * PAGE + cache_len % PAGE; an
+        # unallocated block (-1) skips the store, and no negative address is ever formed.
+        dst = tl.load(bt_row + (cache_len // PAGE) * stride_bts).to(tl.int64)
+        keep = new_mask & ((tl.zeros([BLOCK_D], tl.int64) + dst) >= 0)
+        dst = tl.maximum(dst, 0)
+        off = cache_len % PAGE
+        tl.store(k_cache_ptr + dst * stride_kb + off * stride_ks + kvh * stride_kh + d * stride_kd, k_new, mask=keep)
+        tl.store(v_cache_ptr + dst * stride_vb + off * stride_vs + kvh * stride_vh + d * stride_vd, v_new, mask=keep)
+        # Attend it as one more key column, from registers (as the cache would hold it).
+        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1)  # [BLOCK_G]
+        s_new = _scores_log2(s_new, softmax_scale, softcap, SOFTCAP)
+        own_g = (tl.zeros([BLOCK_G], tl.int32) + owner) != 0
+        s_new = tl.where(own_g, s_new, float("-inf"))
+        m_new = tl.maximum(m, s_new)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_use)
+        p_new = tl.exp2(s_new - m_use)  # [BLOCK_G], 0 outside the owner
+        l = l * alpha + p_new  # noqa: E741
+        acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
         m = m_new
 
     if SPLIT:
@@ -223,27 +279,36 @@ def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr,
     num_heads, head_dim, num_splits,
     stride_ob, stride_oh, stride_od,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr,
+    BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
-    """Grid (batch, num_heads): merge the split-K partials of one (request, head)."""
+    """Grid (batch, num_heads): merge the split-K partials of one (request, head).
+
+    All log-sum-exps at once (BLOCK_S >= num_splits, small), the partial outputs CHUNK_S splits at a
+    time so that a hundred splits of a wide head do not spill registers.
+    """
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    s_ok = s < num_splits
-    row = (b * num_heads + h) * num_splits + s  # [BLOCK_S]
-    lse = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"))
-    part = tl.load(part_out_ptr + row[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0)
+    base = (b * num_heads + h) * num_splits  # first row of this (request, head) in [B, H, S]
+    lse = tl.load(part_lse_ptr + base + s, mask=s < num_splits, other=float("-inf"))  # [BLOCK_S]
     m = tl.max(lse, 0)
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
         m = tl.maximum(m, sink)
     m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)  # [BLOCK_S] weight of each split (0 for empty ones)
-    denom = tl.sum(w, 0)
+    denom = tl.sum(tl.exp2(lse - m), 0)  # empty splits weigh 0
     if HAS_SINKS:
         denom += tl.exp2(sink - m)
-    out = tl.sum(w[:, None] * part, 0) / tl.where(denom > 0, denom, 1.0)  # [BLOCK_D]
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    c = tl.arange(0, CHUNK_S)
+    for s0 in range(0, num_splits, CHUNK_S):
+        c_ok = s0 + c < num_splits
+        rows = base + s0 + c  # [CHUNK_S]
+        w = tl.exp2(tl.load(part_lse_ptr + rows, mask=c_ok, other=float("-inf")) - m)  # [CHUNK_S]
+        part = tl.load(part_out_ptr + rows[:, None] * BLOCK_D + d[None, :], mask=c_ok[:, None], other=0.0)
+        acc += tl.sum(w[:, None] * part, 0)
+    out = acc / tl.where(denom > 0, denom, 1.0)  # [BLOCK_D]
     tl.store(
         out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d * stride_od,
         out.to(out_ptr.dtype.element_ty),
@@ -414,17 +479,28 @@ def _sinks_arg(sinks: torch.Tensor | None, num_heads: int, like: torch.Tensor) -
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
-    return 1  # interpreter: one "SM", so split-K only runs when asked for
+    return 1  # interpreter: one "SM", so split-K only runs on long contexts or when asked for
 
 
-def _choose_num_splits(batch: int, num_kv_heads: int, max_len: int, device: torch.device) -> int:
-    """Enough split-K partitions to give every SM ~2 programs, never below _MIN_TOKENS_PER_SPLIT.
+def _choose_num_splits(batch: int, num_kv_heads: int, max_len: int, num_sms: int) -> int:
+    """Split-K partitions per (request, KV head): enough programs for _PROGRAMS_PER_SM on every SM
+    (a decode program keeps few loads in flight, so one per SM cannot saturate HBM), but no split
+    shorter than _MIN_TOKENS_PER_SPLIT tokens (below that the partials and the reduce cost more
+    than the split saves) and at most _MAX_SPLITS.
 
     ``max_len`` is an upper bound on the context (block-table width x block size), known on the host
-    without a device sync.
+    without a device sync; the kernel also keeps each split of a shorter request that long.
+    E.g. on 132 SMs with 8 KV heads: one 32K-token request -> 66 splits (528 programs of ~500
+    tokens); 64 requests -> 2.
     """
-    want = triton.cdiv(2 * _num_sms(device), batch * num_kv_heads)
-    return max(1, min(want, triton.cdiv(max_len, _MIN_TOKENS_PER_SPLIT), _MAX_SPLITS))
+    want = triton.cdiv(_PROGRAMS_PER_SM * num_sms, max(1, batch * num_kv_heads))
+    return max(1, min(want, max_len // _MIN_TOKENS_PER_SPLIT, _MAX_SPLITS))
+
+
+def _decode_block_n(head_dim: int) -> int:
+    """Keys per loop iteration: wide enough to keep many bytes in flight, narrow enough for wide heads'
+    registers. Independent of the page size (a tile may span pages)."""
+    return _DECODE_BLOCK_N if head_dim <= 128 else _DECODE_BLOCK_N // 2
 
 
 def write_kv(
@@ -491,6 +567,8 @@ def paged_decode_attention(
     pages. ``causal`` and the right window cannot hide anything
     from the last token and are accepted for interface parity. ``num_splits`` overrides the split-K
     heuristic (tests use it to force the reduce path). Returns [B, 1, H, D].
+
+    One launch (the append is fused into the decode kernel), two when split-K needs the reduce.
     """
     block_size = _check_cache(k_cache, v_cache)
     if q.dim() != 4 or q.shape[1] != 1:
@@ -508,47 +586,62 @@ def paged_decode_attention(
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [B, 1, H, D]
     if batch == 0:
         return out
-
+    q3 = q[:, 0]  # [B, H, D] view
+    out3 = out[:, 0]
     if k is not None:
-        # Append the new token first, in its own launch: split-K programs of other tiles must not
-        # race with the write. slot = block_table[b, pos // bs] * bs + pos % bs, all on device.
-        pos = cache_seqlens.long()  # [B]
-        blocks = block_table.long().gather(1, (pos // block_size).unsqueeze(1)).squeeze(1)  # [B]
-        slots = torch.where(blocks >= 0, blocks * block_size + pos % block_size, -1)
-        write_kv(k.reshape(batch, num_kv_heads, head_dim), v.reshape(batch, num_kv_heads, head_dim),
-                 k_cache, v_cache, slots)  # fmt: skip
+        if k.shape != v.shape or k.numel() != batch * num_kv_heads * head_dim:
+            raise ValueError(
+                f"k/v must be [{batch}, 1, {num_kv_heads}, {head_dim}], got {tuple(k.shape)} and {tuple(v.shape)}"
+            )
+        k3 = k.reshape(batch, num_kv_heads, head_dim)  # [B, H_kv, D], a view when it can be
+        v3 = v.reshape(batch, num_kv_heads, head_dim)
+    else:
+        k3 = v3 = q3  # never read (NEW_TOKEN=False) but the kernel needs some pointer
 
     left, _ = _effective_window(window_size, causal)
     max_len = block_table.shape[1] * block_size
-    splits = num_splits or _choose_num_splits(batch, num_kv_heads, max_len, q.device)
     block_d = _pow2(head_dim)
-    block_n = min(_DECODE_BLOCK_N, block_size)
-    splits = max(1, min(int(splits), triton.cdiv(max_len, block_n)))  # no more splits than tiles
-    q3 = q[:, 0]  # [B, H, D] view
-    out3 = out[:, 0]
+    block_n = _decode_block_n(head_dim)
+    if num_splits:  # exactly as asked (tests force it onto short contexts)
+        splits, min_tiles = int(num_splits), 1
+    else:
+        splits = _choose_num_splits(batch, num_kv_heads, max_len, _num_sms(q.device))
+        min_tiles = triton.cdiv(_MIN_TOKENS_PER_SPLIT, block_n)
+    splits = max(1, min(splits, triton.cdiv(max_len, block_n)))  # no more splits than tiles
     if splits > 1:
-        part_out = torch.empty(batch, num_heads, splits, block_d, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
+        # One allocation for both partials: [B, H, S, BLOCK_D] outputs, then [B, H, S] lse.
+        rows = batch * num_heads * splits
+        part = torch.empty(rows * (block_d + 1), dtype=torch.float32, device=q.device)
+        part_out, part_lse = part[: rows * block_d], part[rows * block_d :]
     else:
         part_out = part_lse = out  # unused
     sinks_t = _sinks_arg(sinks, num_heads, q)
+    launch = {}
+    if _DECODE_NUM_WARPS:
+        launch["num_warps"] = _DECODE_NUM_WARPS
+    if _DECODE_NUM_STAGES:
+        launch["num_stages"] = _DECODE_NUM_STAGES
     _decode_kernel[(batch, num_kv_heads, splits)](
-        q3, k_cache, v_cache, cache_seqlens, block_table, sinks_t,
+        q3, k_cache, v_cache, k3, v3, cache_seqlens, block_table, sinks_t,
         out3, part_out, part_lse,
         float(softmax_scale), float(softcap), left,
-        group, head_dim, block_size, splits,
-        *q3.stride(), *k_cache.stride(), *v_cache.stride(), *block_table.stride(), *out3.stride(),
-        NEW_TOKENS=0 if k is None else 1,
+        group, head_dim, splits, min_tiles,
+        *q3.stride(), *k_cache.stride(), *v_cache.stride(), *k3.stride(), *v3.stride(),
+        *block_table.stride(), *out3.stride(),
+        PAGE=block_size, NEW_TOKEN=k is not None,
         BLOCK_G=_pow2(group), BLOCK_N=block_n, BLOCK_D=block_d,
         SOFTCAP=softcap > 0, HAS_WINDOW=left >= 0, HAS_SINKS=sinks is not None,
         SPLIT=splits > 1, DOT_FP32=q.dtype == torch.float32 or _INTERPRETED,
+        **launch,
     )  # fmt: skip
     if splits > 1:
+        block_s = triton.next_power_of_2(splits)
         _decode_reduce_kernel[(batch, num_heads)](
             part_out, part_lse, sinks_t, out3,
             num_heads, head_dim, splits,
             *out3.stride(),
-            BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, HAS_SINKS=sinks is not None,
+            BLOCK_S=block_s, CHUNK_S=min(block_s, _REDUCE_CHUNK_S), BLOCK_D=block_d,
+            HAS_SINKS=sinks is not None,
         )  # fmt: skip
     return out
 
