@@ -118,3 +118,32 @@ def test_bench_serve_smoke(tmp_path):
     paged = report["systems"]["paged"]
     assert paged["completion_tokens"] > 0 and paged["tokens_per_second"] > 0
     assert (tmp_path / "serve_smoke.json").exists()
+
+
+def _handlers():
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    from hf_paged_attn.serve.handlers import Handlers, ServeSettings
+
+    def add_request(input_ids, max_new_tokens=None, generation_config=None, logprobs=None, seed=None, tokenizer=None):
+        raise AssertionError("not called")
+
+    text_config = SimpleNamespace(max_position_embeddings=1024)
+    engine = SimpleNamespace(generation_config=GenerationConfig(do_sample=False, max_new_tokens=64),
+                             model=SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: text_config)),
+                             add_request=add_request)
+    return Handlers(SimpleNamespace(engine=engine), AutoTokenizer.from_pretrained(DEMO_MODEL), ServeSettings("m"))
+
+
+def test_a_request_with_the_default_sampling_uses_the_engines_config_as_it_is():
+    handlers = _handlers()
+    job = lambda body: handlers._job(parse(CompletionRequest, {"model": "m", "prompt": "x", **body}), [[5]], [4], None)  # noqa: E731
+    for body in ({}, {"temperature": 0}):  # greedy, as the engine's own config is
+        assert "generation_config" not in job(body).engine_kwargs, body
+    sampled = job({"temperature": 0.7, "top_p": 0.9}).engine_kwargs["generation_config"]
+    assert (sampled.do_sample, sampled.temperature, sampled.top_p) == (True, 0.7, 0.9)
+    stopped = job({"stop": "x"}).engine_kwargs
+    assert stopped["generation_config"].stop_strings == ["x"] and stopped["tokenizer"] is handlers.tokenizer
+    assert handlers.generation_config.do_sample is False and handlers.generation_config.stop_strings is None
