@@ -137,18 +137,25 @@ def build_step(
     for s, start, n in zip(scheduled, starts, q_lens):
         token_ids.extend(s.request.token_slice(start, n))
 
-    q_lens_t = torch.tensor(q_lens)
-    rows_q = torch.repeat_interleave(torch.arange(len(scheduled)), q_lens_t)  # [N]
-    cu_q = cumulative(q_lens, torch.device("cpu"))
-    # position of every new token inside its own request
-    positions = torch.arange(len(token_ids)) - cu_q[:-1].long()[rows_q] + torch.tensor(starts)[rows_q]
     is_decode = max(q_lens) == 1
+    if is_decode:  # one token per request, most steps: nothing to expand per token
+        rows_q = torch.arange(len(scheduled))  # [N] = [B]
+        cu_q = torch.arange(len(scheduled) + 1, dtype=torch.int32)
+        positions = torch.tensor(starts)
+    else:
+        rows_q = torch.repeat_interleave(torch.arange(len(scheduled)), torch.tensor(q_lens))  # [N]
+        cu_q = cumulative(q_lens, torch.device("cpu"))
+        # position of every new token inside its own request
+        positions = torch.arange(len(token_ids)) - cu_q[:-1].long()[rows_q] + torch.tensor(starts)[rows_q]
     windows = [g.window for g in layers.groups] if layers is not None and layers.groups else [None]
     groups = [
         _group_tables(scheduled, g, window, starts, q_lens, rows_q, positions, block_size, device, is_decode)
         for g, window in enumerate(windows)
     ]
-    logits_indices = (cu_q[1:].long() - 1)[torch.tensor(sampled, dtype=torch.bool)]
+    if all(sampled):
+        logits_indices = cu_q[1:].long() - 1
+    else:
+        logits_indices = (cu_q[1:].long() - 1)[torch.tensor(sampled, dtype=torch.bool)]
     return StepMetadata(
         input_ids=torch.tensor([token_ids], device=device),
         position_ids=positions.unsqueeze(0).to(device),
