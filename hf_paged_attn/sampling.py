@@ -121,7 +121,7 @@ def make_sampling_params(
     criteria see it, as they see the padded row in transformers (``min_length``, ``max_length``,
     ``forced_eos_token_id``, n-gram and repetition processors count it).
     """
-    config = copy.deepcopy(config)
+    config = copy.copy(config)  # its attributes are replaced below, never changed in place
     check_supported(config)
     prefix = list(prefix or [])
     prompt_length += len(prefix)
