@@ -2,8 +2,10 @@
 
 Each request carries ``SamplingParams``: its resolved generation config, the processor list that
 ``generate`` itself would build, its stop tokens and stopping criteria. A step samples all rows at
-once where it can (plain greedy rows are one batched argmax) and per request where processors need
-its history. ``sample_tokens`` changes no request: it returns what to record, and the engine
+once where it can: plain greedy rows are one batched argmax, and requests with the same sampling
+settings (temperature, top-k, top-p, ... : processors that never read the ids) run their
+processors and draw on their stacked rows; a request whose processors read its history, or that
+has its own seed or records scores or log-probs, samples alone. ``sample_tokens`` changes no request: it returns what to record, and the engine
 records it only once the whole step's sampling has succeeded.
 """
 
@@ -15,6 +17,16 @@ from dataclasses import dataclass, field
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.logits_process import (
+    EpsilonLogitsWarper,
+    InfNanRemoveLogitsProcessor,
+    LogitNormalization,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
 from transformers.generation.stopping_criteria import MaxTimeCriteria, StopStringCriteria
 
 from .placement import input_device
@@ -63,6 +75,8 @@ class SamplingParams:
     output_scores: bool = False
     output_logits: bool = False
     prefix: list[int] = field(default_factory=list)  # generate's left padding: what processors see first
+    # Requests with equal keys are sampled together, their rows stacked (see ``batch_key``)
+    batch_key: tuple | None = None
 
     @property
     def needs_row_work(self) -> bool:
@@ -143,7 +157,7 @@ def make_sampling_params(
     eos = config._eos_token_tensor
     eos_ids = frozenset(eos.flatten().tolist()) if eos is not None else frozenset()
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-    return SamplingParams(
+    params = SamplingParams(
         generation_config=config,
         processors=processors,
         do_sample=bool(config.do_sample),
@@ -155,6 +169,40 @@ def make_sampling_params(
         output_logits=bool(config.return_dict_in_generate and config.output_logits),
         prefix=prefix,
     )
+    params.batch_key = batch_key(params)
+    return params
+
+
+# Processors that read the scores only, never the ids, and whose settings are plain numbers: rows
+# whose lists are equal can run them once, stacked, as transformers runs one list on its batch.
+ROW_FREE_PROCESSORS = (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    MinPLogitsWarper,
+    TypicalLogitsWarper,
+    EpsilonLogitsWarper,
+    LogitNormalization,
+    InfNanRemoveLogitsProcessor,
+)
+
+
+def batch_key(params: SamplingParams) -> tuple | None:
+    """What a request's sampling must share with others to be done on stacked rows: sampling or
+    not, and its processors with their settings. None when its rows need their own work: a processor
+    that reads the ids (repetition penalty, n-grams, min length, ...) or one of the caller's, its own
+    generator (``seed=``), or scores, logits or log-probs to record."""
+    if params.generator is not None or params.output_scores or params.output_logits or params.num_logprobs is not None:
+        return None
+    key: list = [params.do_sample]
+    for processor in params.processors:
+        settings = vars(processor)
+        if type(processor) not in ROW_FREE_PROCESSORS or not all(
+            isinstance(value, (bool, int, float, str, type(None))) for value in settings.values()
+        ):
+            return None
+        key.append((type(processor).__name__, tuple(sorted(settings.items()))))
+    return tuple(key)
 
 
 def padding_mask(num_padding: int, length: int, config: GenerationConfig) -> torch.Tensor:
@@ -210,34 +258,63 @@ def sample_one(logits: torch.Tensor, request: Request, generator: torch.Generato
 
 
 def sample_tokens(logits: torch.Tensor, requests: list[Request], generator: torch.Generator | None) -> list[Sample]:
-    """One sample per request. logits: [num_requests, vocab] float32, row i for requests[i]."""
+    """One sample per request. logits: [num_requests, vocab] float32, row i for requests[i].
+
+    Greedy rows are one batched argmax; rows whose sampling is the same (``batch_key``: e.g. every
+    request at temperature 0.8 and top-p 0.9) run their processors and draw together; the others
+    (processors that read the history, their own generator, scores or log-probs to record) one by one.
+    """
     tokens = logits.argmax(dim=-1).tolist()  # greedy rows need nothing more
-    samples = []
+    samples: list[Sample | None] = [None] * len(requests)
+    together: dict[tuple, list[int]] = {}
     for row, request in enumerate(requests):
         params: SamplingParams = request.sampling
         if not params.needs_row_work:
-            samples.append(Sample(tokens[row]))
-            continue
-        raw = logits[row : row + 1]  # [1, vocab]
-        if params.processors:
-            history = torch.tensor([params.prefix + request.all_ids], device=logits.device)  # [1, seq]
-            scores = params.processors(history, raw.clone())
+            samples[row] = Sample(tokens[row])
+        elif params.batch_key is not None:
+            together.setdefault(params.batch_key, []).append(row)
         else:
-            scores = raw
+            samples[row] = _sample_row(logits[row : row + 1], request, generator)
+    for rows in together.values():
+        params = requests[rows[0]].sampling
+        index = torch.tensor(rows, device=logits.device)
+        scores = params.processors(index.view(-1, 1), logits[index])  # [R, vocab]; these processors ignore the ids
         if params.do_sample:
-            probs = torch.softmax(scores, dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=params.generator or generator))
+            drawn = draw(torch.softmax(scores, dim=-1), generator).tolist()
         else:
-            token = int(scores.argmax(dim=-1))
-        samples.append(
-            Sample(
-                token,
-                scores=scores[0].cpu() if params.output_scores else None,
-                logits=raw[0].cpu() if params.output_logits else None,
-                logprob=token_logprob(scores[0], token, params.num_logprobs),
-            )
-        )
+            drawn = scores.argmax(dim=-1).tolist()
+        for row, token in zip(rows, drawn):
+            samples[row] = Sample(token)
     return samples
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token id per row of ``probs`` [R, vocab], by inverse CDF: distributed as
+    ``torch.multinomial(probs, 1)``, which took 5.6 ms for 64 rows of 4,096 on CPU against ~0.5 ms.
+    A zero-probability token is never drawn (its step of the CDF is empty). Returns [R] int64."""
+    cdf = probs.cumsum(dim=-1)  # [R, vocab]
+    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=cdf.dtype) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).clamp_max(probs.shape[-1] - 1).view(-1)
+
+
+def _sample_row(raw: torch.Tensor, request: Request, generator: torch.Generator | None) -> Sample:
+    """One request's sample from its raw logits [1, vocab], through its own processors and history."""
+    params: SamplingParams = request.sampling
+    if params.processors:
+        history = torch.tensor([params.prefix + request.all_ids], device=raw.device)  # [1, seq]
+        scores = params.processors(history, raw.clone())
+    else:
+        scores = raw
+    if params.do_sample:
+        token = int(draw(torch.softmax(scores, dim=-1), params.generator or generator))
+    else:
+        token = int(scores.argmax(dim=-1))
+    return Sample(
+        token,
+        scores=scores[0].cpu() if params.output_scores else None,
+        logits=raw[0].cpu() if params.output_logits else None,
+        logprob=token_logprob(scores[0], token, params.num_logprobs),
+    )
 
 
 def token_logprob(scores: torch.Tensor, token: int, k: int | None) -> TokenLogprob | None:

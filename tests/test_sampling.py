@@ -1,0 +1,68 @@
+"""Sampling on stacked rows: which requests share a draw (``batch_key``), the inverse-CDF draw, and
+that stacked rows keep their own tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+import hf_paged_attn  # noqa: F401  registers "paged"
+from hf_paged_attn.demo import DEMO_MODEL
+from hf_paged_attn.request import Request
+from hf_paged_attn.sampling import draw, make_sampling_params, sample_tokens
+
+
+@pytest.fixture(scope="module")
+def model():
+    return AutoModelForCausalLM.from_pretrained(DEMO_MODEL, attn_implementation="paged")
+
+
+def _request(model, processors: LogitsProcessorList | None = None, seed: int | None = None, logprobs=None, **options):  # noqa: ANN001, ANN003
+    config = model._prepare_generation_config(GenerationConfig(**options))[0]
+    params = make_sampling_params(model, config, 5, processors, seed=seed, logprobs=logprobs, max_new_tokens=4)
+    return Request("r", [3, 4, 5, 6, 7], 4, params, arrival=0)
+
+
+class _Shift(LogitsProcessor):
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        return scores + 1.0
+
+
+def test_batch_key_groups_equal_row_free_sampling(model) -> None:  # noqa: ANN001
+    a = _request(model, do_sample=True, temperature=0.8, top_p=0.9, top_k=50).sampling.batch_key
+    b = _request(model, do_sample=True, temperature=0.8, top_p=0.9, top_k=50).sampling.batch_key
+    c = _request(model, do_sample=True, temperature=0.7, top_p=0.9, top_k=50).sampling.batch_key
+    assert a is not None and a == b and a != c
+    # rows that need their own work: history-reading processors, a seed, log-probs, the caller's processors
+    assert _request(model, do_sample=True, repetition_penalty=1.2).sampling.batch_key is None
+    assert _request(model, seed=3, do_sample=True).sampling.batch_key is None
+    assert _request(model, logprobs=2, do_sample=True).sampling.batch_key is None
+    assert _request(model, LogitsProcessorList([_Shift()]), do_sample=True).sampling.batch_key is None
+
+
+def test_draw_follows_the_distribution_and_never_draws_a_zero() -> None:
+    probs = torch.tensor([[0.1, 0.0, 0.6, 0.3], [0.0, 0.0, 0.0, 1.0]])
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.stack([draw(probs, gen) for _ in range(20_000)])  # [20000, 2]
+    freq = torch.bincount(tokens[:, 0], minlength=4).float() / len(tokens)
+    assert freq[1] == 0 and torch.allclose(freq, probs[0], atol=0.015)
+    assert (tokens[:, 1] == 3).all()
+    assert torch.equal(draw(probs, torch.Generator().manual_seed(5)), draw(probs, torch.Generator().manual_seed(5)))
+
+
+def test_stacked_rows_keep_their_own_tokens(model) -> None:  # noqa: ANN001
+    """top_k=1 sampling is greedy: each stacked row must get its own row's argmax, mixed with greedy
+    rows and a row that samples on its own (repetition penalty)."""
+    logits = torch.randn(6, 4096, generator=torch.Generator().manual_seed(1))
+    requests = [
+        _request(model, do_sample=True, top_k=1),
+        _request(model),  # greedy
+        _request(model, do_sample=True, top_k=1),
+        _request(model, do_sample=True, top_k=1, repetition_penalty=1.0001),  # its own row
+        _request(model, do_sample=True, top_k=1),
+        _request(model, do_sample=True, top_k=1, temperature=0.5),  # another stack
+    ]
+    assert requests[0].sampling.batch_key == requests[2].sampling.batch_key != requests[5].sampling.batch_key
+    samples = sample_tokens(logits, requests, torch.Generator().manual_seed(0))
+    assert [s.token for s in samples] == logits.argmax(dim=-1).tolist()
