@@ -39,8 +39,10 @@ not yet measured; no network). Prints one line per check:
     prefill read straight from the pages (no gather). ``--tiny`` dry-runs both on a tiny model on
     the CPU (Triton through its interpreter), so their code runs before a GPU ever sees it.
 
-Without CUDA every check prints SKIPPED and the script exits 0. Otherwise it exits 1 if a check
-failed. Run it through ``scripts/gpu_check.sh``.
+Checks run in ``CHECKS`` order (parity first, figures after), not in the order above. Without
+CUDA every check prints SKIPPED and the script exits 0. Otherwise it exits 1 if a check failed;
+at the time limit (SIGTERM from ``timeout``) the running check FAILs and the rest print SKIPPED.
+Run it through ``scripts/gpu_check.sh``.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
+import os
+import signal
 import sys
 import tempfile
 import time
@@ -57,6 +61,8 @@ from collections.abc import Callable
 
 import torch
 
+# Run order: parity checks first, newest code first among them (a run cut short by its time limit
+# still says whether the code is right), then the figures-only measurements, longest last.
 CHECKS = (
     "kernels/triton/fp32",
     "kernels/triton/bf16",
@@ -69,18 +75,18 @@ CHECKS = (
     "greedy/bf16/torch",
     "greedy/bf16/triton",
     "greedy/bf16/flash",
+    "graphs/fp32",
+    "e2e/fp32-parity",
+    "cascade/fp32",
+    "mixed/offload",
+    "mixed/split",
     "bandwidth/triton",
     "bandwidth/flash",
     "bandwidth/torch",
-    "cascade/fp32",
     "splitk/bf16",
-    "throughput/bf16",
-    "mixed/offload",
-    "mixed/split",
-    "graphs/fp32",
     "graphs/bf16",
     "e2e/bf16",
-    "e2e/fp32-parity",
+    "throughput/bf16",
 )
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # max abs error vs the float64 reference
@@ -1215,7 +1221,6 @@ def check_e2e(kind: str, backends: dict[str, object], device: str = "cuda", tiny
 def tiny_e2e_dry_run(wanted: list[str]) -> int:
     """``--tiny``: the e2e checks on a tiny model on this machine's CPU, Triton through its
     interpreter: their code path runs before a GPU ever sees it (figures meaningless)."""
-    import os
 
     os.environ["TRITON_INTERPRET"] = "1"  # before the first import of triton
     from hf_paged_attn.kernels import BACKENDS
@@ -1254,8 +1259,12 @@ def main() -> int:
             directory = tiny_llama_dir()
         except Exception as exc:
             print(f"could not build the tiny Llama: {short_error(exc)}", flush=True)
+    run_start = time.perf_counter()
+    pending = list(wanted)
+    signal.signal(signal.SIGTERM, lambda signum, frame: out_of_time(pending, run_start))
     for check in wanted:
         kind, *rest = check.split("/")
+        check_start = time.perf_counter()
         try:
             if kind == "kernels":
                 check_kernels(backends, rest[0], rest[1])
@@ -1277,8 +1286,24 @@ def main() -> int:
                 check_bandwidth(backends, rest[0])
         except Exception as exc:  # one broken check must not hide the others
             report("FAIL", check, short_error(exc))
+        pending.remove(check)
+        now = time.perf_counter()
+        print(f"  ({check}: {now - check_start:.0f}s, {now - run_start:.0f}s so far)", flush=True)
     print(f"{len(wanted) - len(failures)} passed or skipped, {len(failures)} failed", flush=True)
     return 1 if failures else 0
+
+
+def out_of_time(pending: list[str], run_start: float) -> None:
+    """SIGTERM from ``timeout`` in gpu_check.sh: a line for the check that was running and for each
+    one that never started, then exit at once (unwinding through CUDA work could take longer)."""
+    elapsed = time.perf_counter() - run_start
+    for i, check in enumerate(pending):
+        if i == 0:
+            report("FAIL", check, f"still running when the time limit came, {elapsed:.0f}s into the run")
+        else:
+            report("SKIPPED", check, "not started: the time limit (GPU_CHECK_TIMEOUT) came first")
+    print(f"stopped at the time limit: {len(failures)} failed, {len(pending) - 1} not started", flush=True)
+    os._exit(1)
 
 
 if __name__ == "__main__":

@@ -21,4 +21,6 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the package from this checkout, installed or not
 export PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1  # the tiny model is built locally: never reach a hub
-exec timeout "${GPU_CHECK_TIMEOUT:-540}" "$py" scripts/gpu_check.py "$@"
+# SIGTERM at the limit makes gpu_check.py report what was running and what never started; -k
+# kills it 15 s later if it is stuck inside a CUDA call.
+exec timeout -k 15 "${GPU_CHECK_TIMEOUT:-540}" "$py" scripts/gpu_check.py "$@"
