@@ -5,8 +5,9 @@ Each request carries ``SamplingParams``: its resolved generation config, the pro
 once where it can: plain greedy rows are one batched argmax, and requests with the same sampling
 settings (temperature, top-k, top-p, ... : processors that never read the ids) run their
 processors and draw on their stacked rows; a request whose processors read its history, or that
-has its own seed or records scores or log-probs, samples alone. ``sample_tokens`` changes no request: it returns what to record, and the engine
-records it only once the whole step's sampling has succeeded.
+has its own seed or records scores or log-probs, samples alone. ``sample_tokens`` changes no
+request: it returns what to record, and the engine records it only once the whole step's sampling
+has succeeded.
 """
 
 from __future__ import annotations
