@@ -116,3 +116,15 @@ def test_no_compiler_warns_once_and_falls_back(
     assert _native(case) is None
     out = torch_backend.paged_decode_attention(*case.values(), softmax_scale=0.125)
     assert out.shape == case["q"].shape and torch.isfinite(out).all()
+
+
+@needs_compiler
+def test_shapes_that_do_not_agree_raise_before_the_c_code_runs() -> None:
+    case = _case(6)
+    case["block_table"] = case["block_table"][:-1]  # one row short: the kernel would read past it
+    with pytest.raises(ValueError, match="block_table"):
+        _native(case)
+    case = _case(6)
+    case["k"] = case["k"][:, :, :1]  # one KV head instead of two
+    with pytest.raises(ValueError, match="new K/V"):
+        _native(case)

@@ -151,6 +151,20 @@ def paged_decode(
     hk = k_cache.shape[2]
     appended = k is not None and v is not None
     new = [k[:, 0], v[:, 0]] if appended else []  # [B, H_kv, D]
+    # The C code trusts these shapes: a mismatch would read past a tensor, so it is refused here.
+    if (
+        k_cache.shape != v_cache.shape
+        or k_cache.shape[3] != d
+        or tuple(cache_seqlens.shape) != (b,)
+        or block_table.dim() != 2
+        or block_table.shape[0] != b
+        or any(tuple(t.shape) != (b, hk, d) for t in new)
+    ):
+        raise ValueError(
+            f"paged decode: shapes do not agree: q {tuple(q.shape)}, pages {tuple(k_cache.shape)} / "
+            f"{tuple(v_cache.shape)}, cache_seqlens {tuple(cache_seqlens.shape)}, block_table "
+            f"{tuple(block_table.shape)}, new K/V {[tuple(t.shape) for t in new]}"
+        )
     if (
         any(t.dtype != q.dtype or t.stride(-1) != 1 for t in (k_cache, v_cache, *new))
         or q.stride(-1) != 1
