@@ -278,15 +278,49 @@ def sample_tokens(logits: torch.Tensor, requests: list[Request], generator: torc
             samples[row] = _sample_row(logits[row : row + 1], request, generator)
     for rows in together.values():
         params = requests[rows[0]].sampling
-        index = torch.tensor(rows, device=logits.device)
-        scores = params.processors(index.view(-1, 1), logits[index])  # [R, vocab]; these processors ignore the ids
+        scores, ids = stacked_scores(params.processors, logits[torch.tensor(rows, device=logits.device)])
         if params.do_sample:
-            drawn = draw(torch.softmax(scores, dim=-1), generator).tolist()
+            drawn = draw(torch.softmax(scores, dim=-1), generator)
         else:
-            drawn = scores.argmax(dim=-1).tolist()
-        for row, token in zip(rows, drawn):
+            drawn = scores.argmax(dim=-1)
+        if ids is not None:  # positions among each row's top-k candidates -> token ids
+            drawn = ids.gather(1, drawn.view(-1, 1)).view(-1)
+        for row, token in zip(rows, drawn.tolist()):
             samples[row] = Sample(token)
     return samples
+
+
+# After a top-k (filter -inf), these only ever look at the kept candidates' probabilities
+_MASS_ONLY = (TopPLogitsWarper, MinPLogitsWarper, TypicalLogitsWarper, LogitNormalization)
+
+
+def stacked_scores(processors: LogitsProcessorList, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Row-free processors on stacked rows raw [R, vocab] -> (scores, ids). With a top-k whose
+    filter is -inf, preceded only by a temperature and followed only by processors that read the
+    kept candidates' probabilities (top-p, min-p, typical-p), everything outside each row's top k is
+    -inf whatever follows, so the processors after it run on the k candidates alone (top-p sorts k
+    scores instead of the vocabulary): scores [R, k] and ids [R, k] their token ids. Otherwise,
+    or if a row ties at its k-th score (top-k keeps every tie), scores [R, vocab] and ids None."""
+    cut = next((i for i, p in enumerate(processors) if isinstance(p, TopKLogitsWarper)), None)
+    ids = torch.empty(raw.shape[0], 0, dtype=torch.long, device=raw.device)  # the processors ignore the ids
+    if (
+        cut is None
+        or processors[cut].filter_value != float("-inf")
+        or not all(isinstance(p, TemperatureLogitsWarper) for p in processors[:cut])
+        or not all(isinstance(p, _MASS_ONLY) for p in processors[cut + 1 :])
+    ):
+        return processors(ids, raw), None
+    scores = raw
+    for processor in processors[:cut]:
+        scores = processor(ids, scores)
+    top_k = processors[cut]
+    k = min(max(top_k.top_k, top_k.min_tokens_to_keep), scores.shape[-1])
+    values, candidates = torch.topk(scores, k, dim=-1)  # [R, k] each
+    if bool(((scores >= values[:, -1:]).sum(dim=-1) > k).any()):  # a tie at the k-th score
+        return LogitsProcessorList(processors[cut:])(ids, scores), None
+    for processor in processors[cut + 1 :]:
+        values = processor(ids, values)
+    return values, candidates
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor
 import hf_paged_attn  # noqa: F401  registers "paged"
 from hf_paged_attn.demo import DEMO_MODEL
 from hf_paged_attn.request import Request
-from hf_paged_attn.sampling import draw, make_sampling_params, sample_tokens
+from hf_paged_attn.sampling import draw, make_sampling_params, sample_tokens, stacked_scores
 
 
 @pytest.fixture(scope="module")
@@ -66,3 +66,35 @@ def test_stacked_rows_keep_their_own_tokens(model) -> None:  # noqa: ANN001
     assert requests[0].sampling.batch_key == requests[2].sampling.batch_key != requests[5].sampling.batch_key
     samples = sample_tokens(logits, requests, torch.Generator().manual_seed(0))
     assert [s.token for s in samples] == logits.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(temperature=0.7, top_k=50, top_p=0.9),
+        dict(top_k=20, min_p=0.05),
+        dict(top_k=30, typical_p=0.8),
+        dict(temperature=1.3, top_p=0.5),  # generation config's default top_k=50 joins in
+        dict(top_k=10, repetition_penalty=1.0),  # a no-op penalty is dropped by transformers
+        dict(top_k=0, top_p=0.7),  # no top-k: the whole vocabulary
+    ],
+)
+def test_stacked_scores_on_top_k_candidates_equal_the_full_vocabulary(model, options) -> None:  # noqa: ANN001
+    """Running the processors after top-k on the k candidates alone gives each token the same
+    probability as running them on the whole vocabulary; a row that ties at its k-th score takes
+    the whole vocabulary."""
+    processors = _request(model, do_sample=True, **options).sampling.processors
+    raw = torch.randn(5, 4096, generator=torch.Generator().manual_seed(2)) * 3
+    top_k = options.get("top_k", 50)
+    if top_k:  # row 4: its (k+1)-th best score ties its k-th, so top-k keeps k + 1 tokens
+        order = raw[4].argsort(descending=True)
+        raw[4, order[top_k]] = raw[4, order[top_k - 1]]
+    full = torch.softmax(processors(torch.empty(5, 0, dtype=torch.long), raw.clone()), dim=-1)  # [5, vocab]
+    for rows in (slice(0, 4), slice(4, 5)):
+        scores, ids = stacked_scores(processors, raw[rows])
+        probs = torch.softmax(scores, dim=-1)
+        if ids is not None:
+            probs = torch.zeros_like(full[rows]).scatter(1, ids, probs)
+        torch.testing.assert_close(probs, full[rows], atol=1e-6, rtol=1e-5)
+        reduced = ids is not None
+        assert reduced == (top_k > 0 and rows.start == 0), (rows, top_k, reduced)
