@@ -29,7 +29,8 @@ slot_mapping)`` and ``paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q,
 block_table, max_seqlen_q, *, softmax_scale, causal, window_size, softcap, sinks)``: on the varlen
 path the cache then writes the step's K/V with ``write_kv`` and gathers nothing, and the attention
 reads each request's first ``seqused_k[b]`` keys straight from the pages through its block table.
-Without it (the torch backend, the CPU path) the cache gathers packed K/V for ``varlen_attention``.
+Every built-in backend sets it (the torch backend's paged prefill gathers only what its native
+decode kernel cannot read in place); without it the cache gathers packed K/V for ``varlen_attention``.
 
 The registry below is the one place that says, for each backend, when it can run (device, dtype,
 attention sinks), which block sizes it accepts and its default, and whether CUDA graphs can capture

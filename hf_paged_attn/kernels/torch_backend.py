@@ -1,5 +1,11 @@
 """Pure-torch backend: what every CPU user runs, so it is vectorised and leans on SDPA.
 
+On CPU its decode first tries the native kernel (``cpu_native``, ``kernels/cpu_decode.c``), which
+reads the pages in place; what follows is the torch-ops path it falls back to (no C compiler,
+float16, ``HF_PAGED_ATTN_NATIVE=0``) and the path on CUDA. The varlen path reads the pages too
+(``PREFILL_FROM_PAGES``, at the end of this module): one-query requests of a mixed step go through
+the decode kernel, prefilling requests' visible keys are gathered and bucketed as below.
+
 Design (measured on CPU, see ``benchmarks/kernels_cpu.py``):
 
 * varlen: requests are bucketed by (query length, key-length power of two) and each bucket is one
