@@ -156,8 +156,7 @@ class ContinuousBatchingEngine(BatchAPI):
         forward_start = time.perf_counter()
         try:
             self.cache.copy_blocks(plan.block_copies)
-            meta = build_step(plan.scheduled, self.config.block_size, self.device, self.layers)
-            meta.backend = self.backend
+            meta = build_step(plan.scheduled, self.config.block_size, self.device, self.layers, backend=self.backend)
             logits = self.graphs.forward(meta, plan.scheduled) if self.graphs else self._forward(meta)
         except Exception as exc:  # one failing step must not take the engine down
             return [out for s in plan.scheduled for out in self._finish(s.request, "error", exc)]

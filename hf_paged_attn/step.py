@@ -24,7 +24,7 @@ class GroupTables:
 
     block_table: torch.Tensor  # [B, max_blocks_per_seq] int32, -1 for unallocated or released
     slot_mapping: torch.Tensor  # [N] int64
-    gather_slots: torch.Tensor | None  # [K] int64, varlen path only
+    gather_slots: torch.Tensor | None  # [K] int64, varlen path of a backend that gathers; else None
     cu_seq_lens_k: torch.Tensor  # [B + 1] int32
     max_length_k: int
 
@@ -43,7 +43,7 @@ class StepMetadata:
     max_length_q: int
     max_length_k: int
     slot_mapping: torch.Tensor  # [N] int64, flat cache slot of every new token
-    gather_slots: torch.Tensor | None  # [K] int64, varlen path: slots of every key, packed
+    gather_slots: torch.Tensor | None  # [K] int64 slots of every key, packed: varlen path of a backend that gathers
     block_table: torch.Tensor  # [B, max_blocks_per_seq] int32, -1 for unallocated
     cache_seqlens: torch.Tensor  # [B] int32, tokens cached before this step
     logits_indices: torch.Tensor  # [num_sampled] int64, rows of the packed batch that are sampled
@@ -125,10 +125,13 @@ def build_step(
     device: torch.device,
     layers: LayerKinds | None = None,
     sampled: list[bool] | None = None,
+    backend: ModuleType | None = None,
 ) -> StepMetadata:
     """Tensors of one step. ``sampled[i]`` says whether request i's last new token is sampled
     (default: when its chunk reaches the end of its known tokens). Each attention group gets its
-    own tables (``layers.groups``; one group unless the model mixes sliding and full layers)."""
+    own tables (``layers.groups``; one group unless the model mixes sliding and full layers).
+    ``backend``: the kernel backend the step runs on; the slots of every key to gather on the
+    varlen path are made only for one that does not read the pages itself (``PREFILL_FROM_PAGES``)."""
     q_lens = [s.num_new_tokens for s in scheduled]
     starts = [s.request.num_computed_tokens for s in scheduled]
     if sampled is None:
@@ -148,8 +151,9 @@ def build_step(
         # position of every new token inside its own request
         positions = torch.arange(len(token_ids)) - cu_q[:-1].long()[rows_q] + torch.tensor(starts)[rows_q]
     windows = [g.window for g in layers.groups] if layers is not None and layers.groups else [None]
+    gather = not is_decode and not getattr(backend, "PREFILL_FROM_PAGES", False)
     groups = [
-        _group_tables(scheduled, g, window, starts, q_lens, rows_q, positions, block_size, device, is_decode)
+        _group_tables(scheduled, g, window, starts, q_lens, rows_q, positions, block_size, device, gather)
         for g, window in enumerate(windows)
     ]
     if all(sampled):
@@ -165,6 +169,7 @@ def build_step(
         cache_seqlens=torch.tensor(starts, dtype=torch.int32, device=device),
         logits_indices=logits_indices.to(device),
         is_decode=is_decode,
+        backend=backend,
         other_groups=groups[1:],
     )
 
@@ -179,7 +184,7 @@ def _group_tables(
     positions: torch.Tensor,
     block_size: int,
     device: torch.device,
-    is_decode: bool,
+    gather: bool,
 ) -> GroupTables:
     """One group's tables. A sliding group's varlen keys start at the first one the request's
     first query can see (older blocks may already be freed); the causal mask is bottom-right
@@ -190,7 +195,7 @@ def _group_tables(
     key_starts = [max(start - window + 1, 0) if window else 0 for start in starts]
     k_lens = [start + n - first for start, n, first in zip(starts, q_lens, key_starts)]
     gather_slots = None
-    if not is_decode:
+    if gather:  # the slots of every key, packed, for a backend whose varlen path gathers
         rows_k = torch.repeat_interleave(torch.arange(len(scheduled)), torch.tensor(k_lens))  # [K]
         cu_k_cpu = cumulative(k_lens, torch.device("cpu"))
         key_pos = torch.arange(int(cu_k_cpu[-1])) - cu_k_cpu[:-1].long()[rows_k] + torch.tensor(key_starts)[rows_k]
