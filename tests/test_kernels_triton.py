@@ -10,6 +10,7 @@ interpreter's bf16 dot is broken), so bf16 here tests storage and masking, not t
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import sys
 
@@ -93,6 +94,11 @@ def attn_options(draw: st.DrawFn, num_heads: int, gen: torch.Generator, causal_o
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str) -> None:
     err = (out.double() - ref.double()).abs().max().item() if out.numel() else 0.0
+    if out.dtype == torch.bfloat16 and out.numel():
+        # Never below one bf16 step of the largest output: a value of 4-8 rounds to steps of
+        # 2^-5 (0.03125 > BF16_TOL), and the interpreter's fp32 -> bf16 cast may take either neighbour.
+        largest = ref.double().abs().max().item()
+        tol = max(tol, 2.0 ** (math.floor(math.log2(largest)) - 7) if largest > 0 else 0.0)
     assert err <= tol, f"{what}: max abs error {err:.3g} > {tol}"
 
 
