@@ -32,7 +32,7 @@ lint: $(STAMP)
 # BENCH_ARGS: e.g. --smoke, --workload shared-prefix, --systems engine,hf_cb (see benchmarks/README.md).
 BENCH_ARGS ?= --workload uniform
 bench: $(STAMP)
-	$(PY) -m hf_paged_attn.bench --out benchmarks/results $(BENCH_ARGS)
+	$(PY) -m hf_paged_attn_tools.bench --out benchmarks/results $(BENCH_ARGS)
 
 # Regenerate examples/*.ipynb from examples/make_notebooks.py, execute them, store them with outputs.
 notebooks: $(STAMP)

@@ -14,7 +14,7 @@ import importlib.util
 from collections.abc import Iterator
 from types import ModuleType
 
-from hf_paged_attn.engine import ContinuousBatchingEngine
+from hf_paged_attn.runtime.engine import ContinuousBatchingEngine
 
 
 def load(path: str) -> ModuleType:

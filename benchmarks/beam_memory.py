@@ -17,8 +17,8 @@ from transformers import GenerationConfig
 
 import hf_paged_attn  # noqa: F401  (registers "paged")
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
-from hf_paged_attn.blocks import blocks_for
-from hf_paged_attn.devtools.testing import load_pair, save_random_model, tiny_llama_config
+from hf_paged_attn.core.blocks import blocks_for
+from hf_paged_attn_tools.testing import load_pair, save_random_model, tiny_llama_config
 
 
 def main() -> None:

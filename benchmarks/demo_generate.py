@@ -8,7 +8,7 @@ same work), greedy. Each round runs, in one process and alternating: the paged m
 ``generate`` with all 64 at once (and, with ``--baseline-backend FILE``, the paged model on an older
 torch backend). Prints every round, then medians and the ratios of medians, and
 checks that the systems produced the same tokens (bar numerical near-ties, see
-``hf_paged_attn.devtools.testing.compare_greedy``).
+``hf_paged_attn_tools.testing.compare_greedy``).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 import hf_paged_attn  # noqa: F401  registers "paged"
-from hf_paged_attn.bench.profile import StepProfile, format_profile
 from hf_paged_attn.demo import DEMO_MODEL, PROMPTS
-from hf_paged_attn.devtools.testing import left_padded
+from hf_paged_attn_tools.bench.profile import StepProfile, format_profile
+from hf_paged_attn_tools.testing import left_padded
 
 
 def make_prompts(tokenizer, num: int, seed: int = 0) -> list[list[int]]:  # noqa: ANN001
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--baseline-backend", metavar="FILE",
                         help="also the paged model with an older torch backend (baseline_backend.py)")
     parser.add_argument("--profile", action="store_true",
-                        help="instead: one run of each system under hf_paged_attn.bench.profile's StepProfile "
+                        help="instead: one run of each system under hf_paged_attn_tools.bench.profile's StepProfile "
                         "(CPU time with --threads 1)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from hf_paged_attn.bench.workloads import FULL_MODEL
 from hf_paged_attn.demo import DEMO_MODEL
+from hf_paged_attn_tools.bench.workloads import FULL_MODEL
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 

@@ -19,8 +19,8 @@ import torch
 
 import hf_paged_attn  # noqa: F401  (registers "paged")
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
-from hf_paged_attn.devtools.testing import load_pair, save_random_model
-from hf_paged_attn.devtools.tiny_configs import tiny_config
+from hf_paged_attn_tools.testing import load_pair, save_random_model
+from hf_paged_attn_tools.tiny_configs import tiny_config
 
 
 def gemma3_shaped(window: int, max_positions: int):

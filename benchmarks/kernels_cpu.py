@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from hf_paged_attn.blocks import blocks_for
+from hf_paged_attn.core.blocks import blocks_for
 from hf_paged_attn.kernels import reference, torch_backend
 
 H, H_KV, D, BLOCK = 8, 2, 64, 16

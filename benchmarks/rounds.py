@@ -1,9 +1,9 @@
-"""``hf_paged_attn.bench`` systems in alternating rounds, one process: medians and ratios of medians.
+"""``hf_paged_attn_tools.bench`` systems in alternating rounds, one process: medians and ratios of medians.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/rounds.py [--workload uniform] [--rounds 3] \
         [--runs engine@64,hf_cb@64,hf_padded@16] [--baseline-backend OLD_torch_backend.py]
 
-On a shared machine one run of each system (what ``python -m hf_paged_attn.bench`` does) can land
+On a shared machine one run of each system (what ``python -m hf_paged_attn_tools.bench`` does) can land
 in a quiet or a busy minute; here every round runs every system, the order rotating from round to
 round, and the figures are the medians. Each round also checks that every system produced the
 engine's greedy tokens. ``--baseline-backend FILE`` adds ``engine-baseline@64``: the same engine
@@ -22,8 +22,8 @@ import baseline_backend  # benchmarks/baseline_backend.py
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_paged_attn.bench.systems import MODEL_KIND, SYSTEMS, run_engine
-from hf_paged_attn.bench.workloads import WORKLOADS
+from hf_paged_attn_tools.bench.systems import MODEL_KIND, SYSTEMS, run_engine
+from hf_paged_attn_tools.bench.workloads import WORKLOADS
 
 
 def baseline_system(path: str):  # noqa: ANN201

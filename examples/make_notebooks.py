@@ -460,7 +460,7 @@ A small throughput experiment: the same requests served by
 - the paged **engine** (continuous batching, up to `max_num_seqs` requests at once), and
 - transformers' **padded `generate`** with `sdpa` attention, in static batches of the same size.
 
-Then the package's own benchmark, `hf_paged_attn.bench`, in its smoke configuration. Numbers from a
+Then the package's own benchmark, `hf_paged_attn_tools.bench`, in its smoke configuration. Numbers from a
 tiny model on a CPU say little about a real model on a GPU; see `benchmarks/README.md` for the full
 workloads (`make bench`)."""),
     ("code", load("left", prompts=True) + """
@@ -548,7 +548,7 @@ plt.show()"""),
     ("md", """\
 ## 3. The packaged benchmark
 
-`hf_paged_attn.bench.run` takes the command line of `python -m hf_paged_attn.bench` and returns the
+`hf_paged_attn_tools.bench.run` takes the command line of `python -m hf_paged_attn_tools.bench` and returns the
 report it writes as JSON. `--smoke` is its tiny configuration (a random-weight model, 6 requests):
 it compares the engine, the routed `model.generate`, transformers' own continuous batching
 (`hf_cb`) and padded `generate` (`hf_padded`), and checks that they all produce the same tokens.
@@ -559,7 +559,7 @@ workloads take minutes: `make bench BENCH_ARGS="--workload uniform"`."""),
     ("code", """\
 import tempfile
 
-from hf_paged_attn.bench import run
+from hf_paged_attn_tools.bench import run
 
 report = run(["--smoke", "--out", tempfile.mkdtemp(), "--threads", "1", "--no-plot"])"""),
     ("code", """\

@@ -14,7 +14,7 @@ import asyncio
 import openai
 
 from hf_paged_attn.demo import DEMO_MODEL
-from hf_paged_attn.serve.launch import ServerProcess
+from hf_paged_attn_tools.launch import ServerProcess
 
 
 async def many(base_url: str, prompts: list[str]) -> list[str]:

@@ -6,12 +6,12 @@ Importing the package registers ``"paged"`` with transformers.
 # First, before anything imports torch: importing _env applies the commands' environment defaults
 # (OMP_WAIT_POLICY=PASSIVE for hf-paged-attn and python -m hf_paged_attn.demo/.bench; no-op for a library import).
 from . import _env  # noqa: F401  # isort: split
-from .cache import PagedAttentionCache
-from .config import PagedConfig
-from .engine import ContinuousBatchingEngine
-from .integration import register
-from .request import RequestOutput, TokenLogprob
-from .stats import EngineStats
+from .attention.cache import PagedAttentionCache
+from .core.request import RequestOutput, TokenLogprob
+from .integration.register import register
+from .runtime.config import PagedConfig
+from .runtime.engine import ContinuousBatchingEngine
+from .runtime.stats import EngineStats
 
 __all__ = [
     "ContinuousBatchingEngine",

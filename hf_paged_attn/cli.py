@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     prog = f"hf-paged-attn {args.command}"
     if args.command == "bench":
-        from .bench.command import main as bench_main
+        from hf_paged_attn_tools.bench.command import main as bench_main
 
         bench_main(args.args, prog=prog)
         return 0

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hf_paged_attn  # noqa: F401  (registers "paged")
-from hf_paged_attn.devtools.testing import load_pair, save_random_model, tiny_llama_config
+from hf_paged_attn_tools.testing import load_pair, save_random_model, tiny_llama_config
 
 VOCAB = 256
 

@@ -10,10 +10,10 @@ import torch
 from transformers import GenerationConfig
 
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
-from hf_paged_attn.blocks import blocks_for
-from hf_paged_attn.devtools.testing import left_padded, load_pair, save_random_model
-from hf_paged_attn.devtools.tiny_configs import tiny_config
-from hf_paged_attn.layers import LayerKinds
+from hf_paged_attn.core.blocks import blocks_for
+from hf_paged_attn.core.layers import LayerKinds
+from hf_paged_attn_tools.testing import left_padded, load_pair, save_random_model
+from hf_paged_attn_tools.tiny_configs import tiny_config
 
 from .conftest import ragged_prompts, reference_greedy
 

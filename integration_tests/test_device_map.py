@@ -13,8 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
-from hf_paged_attn.devtools.testing import compare_greedy, left_padded, save_random_model, tiny_llama_config
-from hf_paged_attn.placement import as_device, layer_devices
+from hf_paged_attn.runtime.placement import as_device, layer_devices
+from hf_paged_attn_tools.testing import compare_greedy, left_padded, save_random_model, tiny_llama_config
 
 from .conftest import ragged_prompts, reference_greedy
 

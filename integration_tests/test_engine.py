@@ -9,7 +9,7 @@ import torch
 from transformers import GenerationConfig
 
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
-from hf_paged_attn.devtools.testing import load_pair, save_random_model, tiny_llama_config
+from hf_paged_attn_tools.testing import load_pair, save_random_model, tiny_llama_config
 
 from .conftest import ragged_prompts, reference_greedy
 

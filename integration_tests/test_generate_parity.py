@@ -7,7 +7,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
-from hf_paged_attn.devtools.testing import compare_greedy, left_padded, unpadded_rows
+from hf_paged_attn_tools.testing import compare_greedy, left_padded, unpadded_rows
 
 from .conftest import ragged_prompts, reference_greedy
 
@@ -98,7 +98,7 @@ def test_engine_generate_100_ragged_prompts(llama_pair):
 
 
 def test_eos_and_padding_after_it(llama_dir, batch, expected):
-    from hf_paged_attn.devtools.testing import load_pair
+    from hf_paged_attn_tools.testing import load_pair
 
     prompts, ids, mask = batch
     new = expected[:, ids.shape[1] :]
@@ -178,7 +178,7 @@ def test_one_prompt_without_a_mask_warns_as_little_as_sdpa(tmp_path):
     batches; one prompt through the paged generate must not print it either."""
     import logging
 
-    from hf_paged_attn.devtools.testing import load_pair, save_random_model, tiny_llama_config
+    from hf_paged_attn_tools.testing import load_pair, save_random_model, tiny_llama_config
 
     ref, paged = load_pair(save_random_model(tiny_llama_config(pad_token_id=None, eos_token_id=1), tmp_path))
     records: list[str] = []

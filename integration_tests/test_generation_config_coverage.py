@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import GenerationConfig, WatermarkingConfig
 
-from hf_paged_attn.devtools.testing import compare_greedy, left_padded, load_pair, save_random_model, tiny_llama_config
+from hf_paged_attn_tools.testing import compare_greedy, left_padded, load_pair, save_random_model, tiny_llama_config
 
 from .conftest import ragged_prompts
 

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
-from hf_paged_attn.blocks import RELEASED
-from hf_paged_attn.devtools.testing import compare_greedy, load_pair, save_random_model
-from hf_paged_attn.devtools.tiny_configs import tiny_config
-from hf_paged_attn.kv_manager import blocks_at_peak
-from hf_paged_attn.layers import LayerKinds
+from hf_paged_attn.core.blocks import RELEASED
+from hf_paged_attn.core.kv_manager import blocks_at_peak
+from hf_paged_attn.core.layers import LayerKinds
+from hf_paged_attn_tools.testing import compare_greedy, load_pair, save_random_model
+from hf_paged_attn_tools.tiny_configs import tiny_config
 
 REFERENCE = {"gemma2": "eager", "gpt_oss": "eager"}  # softcap / sinks: the reference sdpa lacks
 

@@ -1,5 +1,5 @@
 """Model coverage: a representative slice of the compatibility matrix, through the same code as
-``python -m hf_paged_attn.devtools.compat`` (tiny random model saved and reloaded, ragged left-padded greedy
+``python -m hf_paged_attn_tools.compat`` (tiny random model saved and reloaded, ragged left-padded greedy
 generate compared with sdpa/eager). The full matrix is the slow test at the bottom."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 from transformers import BertConfig, BertLMHeadModel
 
-from hf_paged_attn import PagedConfig, model_checks
-from hf_paged_attn.devtools.compat import candidates, check_model
+from hf_paged_attn import PagedConfig
+from hf_paged_attn.attention import model_checks as model_checks
+from hf_paged_attn_tools.compat import candidates, check_model
 
 PASSING = {
     "llama": "grouped-query attention, head_dim 32 != hidden 64 / 4 heads",
@@ -95,7 +96,7 @@ def sliding_pair(tmp_path_factory):
     """A tiny Mistral: every layer slides the same 8-token window."""
     from transformers import MistralConfig
 
-    from hf_paged_attn.devtools.testing import load_pair, save_random_model, tiny_llama_config
+    from hf_paged_attn_tools.testing import load_pair, save_random_model, tiny_llama_config
 
     base = tiny_llama_config().to_dict()
     for key in ("model_type", "architectures", "transformers_version"):
@@ -133,7 +134,7 @@ def test_preemption_of_a_sliding_window_model(sliding_pair):
     ref, paged = sliding_pair
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, 256, (n,), generator=gen).tolist() for n in (11, 17, 20, 14, 19, 16, 21, 12)]
-    from hf_paged_attn.scheduler import SchedulerOutput
+    from hf_paged_attn.core.scheduler import SchedulerOutput
 
     # Freed out-of-window blocks leave so much room that a small cache rarely preempts by itself,
     # so preempt the newest running request by hand once every prompt has slid past its window.

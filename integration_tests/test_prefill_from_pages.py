@@ -18,11 +18,11 @@ import torch  # noqa: E402
 triton = pytest.importorskip("triton")
 
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig  # noqa: E402
-from hf_paged_attn.cache import PagedLayer  # noqa: E402
-from hf_paged_attn.devtools.testing import compare_greedy, load_pair, save_random_model  # noqa: E402
-from hf_paged_attn.devtools.tiny_configs import tiny_config  # noqa: E402
+from hf_paged_attn.attention.cache import PagedLayer  # noqa: E402
 from hf_paged_attn.kernels import BACKENDS, torch_backend  # noqa: E402
 from hf_paged_attn.kernels import triton_backend as tb  # noqa: E402
+from hf_paged_attn_tools.testing import compare_greedy, load_pair, save_random_model  # noqa: E402
+from hf_paged_attn_tools.tiny_configs import tiny_config  # noqa: E402
 
 from .conftest import reference_greedy  # noqa: E402
 

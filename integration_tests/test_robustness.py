@@ -14,7 +14,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
-from hf_paged_attn.request import RequestOutput
+from hf_paged_attn.core.request import RequestOutput
 
 from .conftest import ragged_prompts, reference_greedy
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
-from hf_paged_attn.devtools.testing import left_padded
-from hf_paged_attn.step import build_step
+from hf_paged_attn.attention.step import build_step
+from hf_paged_attn_tools.testing import left_padded
 
 from .conftest import ragged_prompts
 

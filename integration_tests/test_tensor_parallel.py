@@ -27,8 +27,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_paged_attn.devtools.testing import compare_greedy, left_padded, save_random_model, tiny_llama_config
-from hf_paged_attn.devtools.tiny_configs import tiny_config
+from hf_paged_attn_tools.testing import compare_greedy, left_padded, save_random_model, tiny_llama_config
+from hf_paged_attn_tools.tiny_configs import tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = 150

@@ -16,9 +16,10 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 import hf_paged_attn  # noqa: F401  registers "paged"
-from hf_paged_attn import ContinuousBatchingEngine, PagedConfig, cache
-from hf_paged_attn.devtools.testing import left_padded
-from hf_paged_attn.distributed import fitting_blocks, run_worker
+from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
+from hf_paged_attn.attention import cache as cache
+from hf_paged_attn.parallel.tensor_parallel import fitting_blocks, run_worker
+from hf_paged_attn_tools.testing import left_padded
 
 NEW_TOKENS = 8
 

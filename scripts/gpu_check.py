@@ -137,7 +137,7 @@ def load_backends() -> dict[str, object]:
 
 def make_pages(lens: list[int], block_size: int, h_kv: int, d: int, dtype: torch.dtype, gen: torch.Generator):
     """Random CUDA pages for lens[b] tokens under a shuffled block table (-1 past each request)."""
-    from hf_paged_attn.devtools.testing import shuffled_block_table
+    from hf_paged_attn_tools.testing import shuffled_block_table
 
     table, num_blocks = shuffled_block_table(lens, block_size, gen, spare=2)
     shape = (num_blocks, block_size, h_kv, d)
@@ -313,7 +313,7 @@ def greedy_parity(directory: str, dtype: torch.dtype, kernel: str, device: str =
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from hf_paged_attn import PagedConfig
-    from hf_paged_attn.devtools.testing import left_padded
+    from hf_paged_attn_tools.testing import left_padded
 
     vocab = AutoConfig.from_pretrained(directory).vocab_size
     gen = torch.Generator().manual_seed(1)
@@ -658,8 +658,8 @@ def check_throughput(backends: dict[str, object]) -> None:
     check = "throughput/bf16"
     from transformers import AutoModelForCausalLM
 
-    from hf_paged_attn.bench.systems import run_engine, run_hf_cb, run_hf_padded
-    from hf_paged_attn.bench.workloads import WORKLOADS
+    from hf_paged_attn_tools.bench.systems import run_engine, run_hf_cb, run_hf_padded
+    from hf_paged_attn_tools.bench.workloads import WORKLOADS
 
     work = WORKLOADS["uniform"]()
     directory = tempfile.mkdtemp(prefix="gpu_check_bench_")
@@ -776,8 +776,8 @@ def graphs_throughput(backends: dict[str, object]) -> str:
     from transformers import AutoModelForCausalLM
 
     from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
-    from hf_paged_attn.bench.systems import MAX_BATCH_TOKENS, greedy_config
-    from hf_paged_attn.bench.workloads import WORKLOADS
+    from hf_paged_attn_tools.bench.systems import MAX_BATCH_TOKENS, greedy_config
+    from hf_paged_attn_tools.bench.workloads import WORKLOADS
 
     work = WORKLOADS["uniform"]()
     directory = tempfile.mkdtemp(prefix="gpu_check_graphs_")
@@ -856,8 +856,8 @@ def mixed_parity(directory: str, mode: str, gpu: str = "cuda:0") -> str:
     """Greedy parity of the paged engine against sdpa under the same half-GPU, half-CPU map, pages
     checked layer by layer; returns the detail line, raises AssertionError on a mismatch."""
     from hf_paged_attn import ContinuousBatchingEngine
-    from hf_paged_attn.devtools.testing import compare_greedy
-    from hf_paged_attn.placement import input_device, layer_devices
+    from hf_paged_attn.runtime.placement import input_device, layer_devices
+    from hf_paged_attn_tools.testing import compare_greedy
 
     ref, paged = load_mixed(directory, "sdpa", mode, gpu), load_mixed(directory, "paged", mode, gpu)
     num_layers = paged.config.num_hidden_layers
@@ -972,7 +972,7 @@ def engine_config(model, prompts: list[list[int]], work: dict):
     import dataclasses
 
     from hf_paged_attn import PagedConfig
-    from hf_paged_attn.blocks import blocks_for
+    from hf_paged_attn.core.blocks import blocks_for
 
     config = PagedConfig(
         max_num_seqs=len(prompts), max_batch_tokens=work["max_batch_tokens"], progress_bar=False, seed=0
@@ -984,7 +984,7 @@ def engine_config(model, prompts: list[list[int]], work: dict):
 def time_engine(model, prompts: list[list[int]], work: dict, device: str) -> tuple[float, list[list[int]], str]:
     """New tokens/s of the engine on the whole workload (after a warm-up on its first 8 prompts)."""
     from hf_paged_attn import ContinuousBatchingEngine
-    from hf_paged_attn.bench.systems import greedy_config
+    from hf_paged_attn_tools.bench.systems import greedy_config
 
     config = engine_config(model, prompts, work)
     engine = ContinuousBatchingEngine(model, config, greedy_config())
@@ -1003,7 +1003,7 @@ def engine_decode_step(model, prompts: list[list[int]], work: dict, device: str)
     """Median seconds of one whole engine step (schedule, build, forward, sample, bookkeeping) while
     every request decodes, each step framed by torch.cuda.synchronize."""
     from hf_paged_attn import ContinuousBatchingEngine
-    from hf_paged_attn.bench.systems import greedy_config
+    from hf_paged_attn_tools.bench.systems import greedy_config
 
     engine = ContinuousBatchingEngine(model, engine_config(model, prompts, work), greedy_config())
     ids = {engine.add_request(p, max_new_tokens=work["step_tokens"]) for p in prompts}
@@ -1026,7 +1026,7 @@ def engine_decode_step(model, prompts: list[list[int]], work: dict, device: str)
 def forward_only_decode(model, prompts: list[list[int]], device: str, iters: int = 10) -> float:
     """Median seconds of transformers' own forward (sdpa, DynamicCache) for one new token of every
     request, the prompts left-padded into one batch: the model's cost without any engine."""
-    from hf_paged_attn.devtools.testing import left_padded
+    from hf_paged_attn_tools.testing import left_padded
 
     ids, mask = (t.to(device) for t in left_padded(prompts))
     times = []
@@ -1053,7 +1053,7 @@ def time_hf_cb(model, prompts: list[list[int]], work: dict) -> tuple[float, list
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
-    from hf_paged_attn.bench.systems import _collect, greedy_config
+    from hf_paged_attn_tools.bench.systems import _collect, greedy_config
 
     cb_config = ContinuousBatchingConfig(
         use_cuda_graph=True, max_batch_tokens=work["max_batch_tokens"], max_requests_per_batch=len(prompts), seed=0
@@ -1153,9 +1153,9 @@ def parity_of_kernel(config, prompts: list[list[int]], new: int, kernel: str, de
     from transformers import AutoModelForCausalLM
 
     from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
-    from hf_paged_attn.cache import PagedLayer
-    from hf_paged_attn.devtools.testing import compare_greedy
+    from hf_paged_attn.attention.cache import PagedLayer
     from hf_paged_attn.kernels import BACKENDS
+    from hf_paged_attn_tools.testing import compare_greedy
 
     dtype = torch.bfloat16 if kernel == "flash" else torch.float32
     directory = save_qwen2(config, device, dtype)

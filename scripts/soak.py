@@ -11,7 +11,7 @@ the time. The loop checks the allocator's invariants after every step, that ever
 exactly one terminal output (its last) and that its streamed ``new_ids`` add up to its final ids.
 At the end it reports completions, aborts, errors, preemptions, prefix hits, leaked blocks and wall
 time, and compares a random sample of completed greedy outputs with ``attn_implementation="sdpa"``
-``generate`` on the same prompt (near-ties allowed, see ``hf_paged_attn.devtools.testing``).
+``generate`` on the same prompt (near-ties allowed, see ``hf_paged_attn_tools.testing``).
 
 Exit code 0 when everything holds; 1 on any leaked block, errored request, missing or duplicate
 terminal output, or greedy mismatch.
@@ -32,10 +32,10 @@ import torch
 
 import hf_paged_attn  # noqa: F401  (registers attn_implementation="paged")
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
-from hf_paged_attn.blocks import blocks_for
-from hf_paged_attn.devtools.testing import compare_greedy, load_pair, save_random_model, tiny_llama_config
+from hf_paged_attn.core.blocks import blocks_for
+from hf_paged_attn.core.request import RequestOutput
 from hf_paged_attn.kernels import torch_backend
-from hf_paged_attn.request import RequestOutput
+from hf_paged_attn_tools.testing import compare_greedy, load_pair, save_random_model, tiny_llama_config
 
 VOCAB = 256
 

@@ -22,8 +22,8 @@ from transformers import AutoModelForCausalLM
 
 import hf_paged_attn  # noqa: F401  registers "paged"
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
-from hf_paged_attn.devtools.testing import save_random_model, tiny_llama_config
-from hf_paged_attn.distributed import run_worker
+from hf_paged_attn.parallel.tensor_parallel import run_worker
+from hf_paged_attn_tools.testing import save_random_model, tiny_llama_config
 
 
 def kv_bytes(engine: ContinuousBatchingEngine) -> int:

@@ -1,83 +1,233 @@
-"""The package's shape: no import cycle between its modules, a slim engine."""
+"""The package's shape, as rules a change can break: which folder may import which, no import
+cycle between modules or between folders, transformers' private API in one module only.
+
+Every import counts, the ones inside functions too (a late import is still a dependency); only
+``if TYPE_CHECKING:`` blocks are left out, since they never run.
+"""
 
 from __future__ import annotations
 
 import ast
+import inspect
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "hf_paged_attn"
+import transformers
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "hf_paged_attn"
+
+# layer -> the layers it may import (besides itself). A layer is a folder of the package, or one
+# of its root modules. Third-party rules are below.
+ALLOWED: dict[str, set[str]] = {
+    "core": set(),
+    "kernels": set(),
+    "transformers_private": set(),
+    "attention": {"core", "kernels"},
+    "runtime": {"core", "attention", "kernels", "transformers_private"},
+    "parallel": {"runtime", "core", "attention", "kernels"},
+    "integration": {"runtime", "parallel", "core", "attention", "kernels", "transformers_private"},
+    "serve": {"public"},
+    "demo": {"public"},
+    "distributed": {"parallel"},  # the 0.1 name of hf_paged_attn.parallel, kept for old code
+    "_env": set(),
+    "cli": {"_env", "serve", "demo", "tools"},  # bench is a thin entry point into hf_paged_attn_tools
+    "public": {"*"},  # hf_paged_attn/__init__.py: the public names
+}
+# What each layer may import from outside the package (None: anything).
+THIRD_PARTY: dict[str, set[str] | None] = {
+    "core": set(),
+    "kernels": {"torch", "triton", "flash_attn"},
+}
+STDLIB = set(__import__("sys").stdlib_module_names)
+
+
+def layer_of(module: str) -> str:
+    """``hf_paged_attn.runtime.engine`` -> ``runtime``; ``hf_paged_attn`` -> ``public``."""
+    if module.startswith("hf_paged_attn_tools"):
+        return "tools"
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "public"
 
 
 def module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    parts = path.relative_to(ROOT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _type_checking_block(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (
+        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+    )
+
+
 def imports_of(path: Path) -> set[str]:
-    """Modules of the package that ``path`` imports at run time (``if TYPE_CHECKING:`` blocks and
-    imports inside functions, which run late, are left out)."""
+    """Every module ``path`` imports, at any depth (functions included), resolved to absolute names;
+    ``from X import name`` yields both ``X`` and ``X.name`` (name may be a module)."""
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found = set()
-    for node in ast.parse(path.read_text()).body:
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if _type_checking_block(node):
+            for child in node.orelse:
+                visit(child)
+            return
         if isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 anchor = package.split(".")
                 anchor = anchor[: len(anchor) - node.level + 1]
                 base = ".".join([*anchor, base] if base else anchor)
-            for alias in node.names:
-                found.add(f"{base}.{alias.name}")
-                found.add(base)
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
         elif isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
-    return {m for m in found if m.startswith("hf_paged_attn")}
+        for child in ast.iter_child_nodes(node):
+            visit(child)
 
-
-def test_no_import_cycle_inside_the_package():
-    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
-    graph = {name: {m for m in imports_of(path) if m in modules and m != name} for name, path in modules.items()}
-    # a package's __init__ importing its own submodules is not a cycle worth naming
-    for name in graph:
-        graph[name] = {m for m in graph[name] if not m.startswith(name + ".")}
-    state: dict[str, int] = {}
-
-    def visit(node: str, stack: list[str]) -> None:
-        state[node] = 1
-        for nxt in sorted(graph[node]):
-            if state.get(nxt) == 1:
-                cycle = stack[stack.index(nxt) :] + [nxt]
-                raise AssertionError("import cycle: " + " -> ".join(cycle))
-            if nxt not in state:
-                visit(nxt, [*stack, nxt])
-        state[node] = 2
-
-    for name in sorted(graph):
-        if name not in state:
-            visit(name, [name])
-
-
-def test_the_cycle_finder_can_fail(tmp_path):
-    a, b = tmp_path / "a.py", tmp_path / "b.py"
-    a.write_text("from hf_paged_attn import engine\n")
-    assert "hf_paged_attn.engine" in imports_of_outside(a)
-    b.write_text("if TYPE_CHECKING:\n    from hf_paged_attn import engine\n")
-    assert not imports_of_outside(b)
-
-
-def imports_of_outside(path: Path) -> set[str]:
-    found = set()
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hf_paged_attn"):
-            found.update(f"{node.module}.{a.name}" for a in node.names)
+    visit(ast.parse(path.read_text()))
     return found
 
 
-def test_the_engine_reads_as_the_loop():
-    lines = (PACKAGE / "engine.py").read_text().count("\n")
-    assert lines <= 260, f"engine.py has {lines} lines; move what is not the loop into its own module"
+def package_modules() -> dict[str, Path]:
+    return {module_name(p): p for root in (PACKAGE, ROOT / "hf_paged_attn_tools") for p in root.rglob("*.py")}
 
 
-def test_runtime_modules_are_not_dev_tooling():
-    root = {p.stem for p in PACKAGE.glob("*.py")}
-    assert not root & {"testing", "tiny_configs", "compat"}, "dev tooling belongs in hf_paged_attn.devtools"
+def internal_graph() -> dict[str, set[str]]:
+    modules = package_modules()
+    graph = {}
+    for name, path in modules.items():
+        deps = {m for m in imports_of(path) if m in modules and m != name}
+        # a package's __init__ importing its own submodules is not a dependency worth naming
+        graph[name] = {m for m in deps if not m.startswith(name + ".")}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+
+    def visit(node: str, stack: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := visit(nxt, [*stack, nxt])):
+                return cycle
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node, [node])):
+            return cycle
+    return None
+
+
+def test_no_import_cycle_between_modules():
+    cycle = find_cycle(internal_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_no_import_cycle_between_layers():
+    layers: dict[str, set[str]] = {}
+    for module, deps in internal_graph().items():
+        if layer_of(module) == "public":
+            continue  # the package's front door imports every layer by design
+        mine = layers.setdefault(layer_of(module), set())
+        mine.update(layer_of(d) for d in deps if layer_of(d) not in (layer_of(module), "public"))
+    cycle = find_cycle(layers)
+    assert cycle is None, "layers import each other in a circle: " + " -> ".join(cycle)
+
+
+def test_each_layer_imports_only_what_it_may():
+    bad = []
+    for module, deps in internal_graph().items():
+        layer = layer_of(module)
+        if layer == "tools":
+            continue  # tooling may use anything of the package
+        allowed = ALLOWED[layer]
+        for dep in deps:
+            other = layer_of(dep)
+            if other == layer or "*" in allowed or other in allowed:
+                continue
+            if other == "public" and "public" in allowed:
+                continue
+            bad.append(f"{module} ({layer}) imports {dep} ({other})")
+    assert not bad, "\n".join(sorted(bad))
+
+
+def test_the_runtime_package_never_imports_the_tooling():
+    bad = [
+        f"{m} imports {d}"
+        for m, deps in internal_graph().items()
+        if m.startswith("hf_paged_attn.") and layer_of(m) != "cli"
+        for d in deps
+        if d.startswith("hf_paged_attn_tools")
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_third_party_imports_of_the_lower_layers():
+    bad = []
+    for module, path in package_modules().items():
+        allowed = THIRD_PARTY.get(layer_of(module))
+        if allowed is None:
+            continue
+        for dep in imports_of(path):
+            top = dep.split(".")[0]
+            if top in ("hf_paged_attn", "__future__") or top in STDLIB or top in allowed:
+                continue
+            bad.append(f"{module} imports {dep}")
+    assert not bad, "\n".join(sorted(set(bad)))
+
+
+def transformers_private_names() -> set[str]:
+    """Private attributes of the transformers classes we touch (``_prepare_generation_config``,
+    ``_eos_token_tensor``, ...): single-underscore names on GenerationMixin, PreTrainedModel,
+    GenerationConfig (instance attributes included) and PreTrainedConfig."""
+    names: set[str] = set()
+    for cls in (transformers.GenerationMixin, transformers.PreTrainedModel, transformers.PreTrainedConfig):
+        names.update(n for n, _ in inspect.getmembers(cls))
+    config = transformers.GenerationConfig()
+    names.update(dir(config))
+    names.update(("_eos_token_tensor", "_pad_token_tensor", "_bos_token_tensor", "_decoder_start_token_tensor"))
+    names.update(("_attn_implementation",))
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def private_uses(path: Path, private: set[str]) -> list[str]:
+    """``x._name`` for a private transformers name, on anything but ``self`` / ``cls``."""
+    uses = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr in private:
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                continue
+            uses.append(f"{path.relative_to(ROOT)}:{node.lineno} .{node.attr}")
+    return uses
+
+
+def test_transformers_private_api_is_called_from_one_module():
+    private = transformers_private_names()
+    allowed = {PACKAGE / "transformers_private.py"}
+    found = [u for p in PACKAGE.rglob("*.py") if p not in allowed for u in private_uses(p, private)]
+    assert not found, "transformers' private API outside transformers_private.py:\n" + "\n".join(found)
+
+
+def test_the_rules_can_fail(tmp_path):
+    a = tmp_path / "a.py"
+    a.write_text("def f():\n    from hf_paged_attn.runtime import engine\n")
+    assert "hf_paged_attn.runtime.engine" in imports_of(a)  # a late import counts
+    a.write_text("if TYPE_CHECKING:\n    from hf_paged_attn.runtime import engine\n")
+    assert not imports_of(a)
+    assert find_cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
+    a.write_text("config._eos_token_tensor\nself._eos_token_tensor\n")
+    assert private_uses(a, {"_eos_token_tensor"}) == [f"{a.relative_to(ROOT) if a.is_relative_to(ROOT) else a}:1 ._eos_token_tensor"] or len(private_uses(a, {"_eos_token_tensor"})) == 1
+
+
+def test_tests_are_laid_out_like_the_package():
+    layers = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    test_dirs = {p.name for p in (ROOT / "tests").iterdir() if p.is_dir() and not p.name.startswith("__")}
+    assert layers - {"demo", "assets"} <= test_dirs, f"no tests/ folder for {sorted(layers - test_dirs)}"
+    assert test_dirs <= layers | {"e2e", "tools"}, f"tests/ folders with no layer: {sorted(test_dirs - layers)}"

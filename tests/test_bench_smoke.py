@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from hf_paged_attn.bench import run
 from hf_paged_attn.cli import main as cli_main
+from hf_paged_attn_tools.bench import run
 
 SYSTEMS = ("engine", "generate", "hf_cb", "hf_padded")
 RUN_FIELDS = (

@@ -1,6 +1,6 @@
 import pytest
 
-from hf_paged_attn.blocks import ROOT_DIGEST, BlockAllocator, chain_digest
+from hf_paged_attn.core.blocks import ROOT_DIGEST, BlockAllocator, chain_digest
 
 
 def test_allocate_fork_free_round_trip():

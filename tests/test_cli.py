@@ -22,7 +22,7 @@ PY = "/venv/bin/python"
     ("orig_argv", "expected"),
     [
         ([PY, "-m", "hf_paged_attn.demo"], "-m hf_paged_attn.demo"),
-        ([PY, "-X", "importtime", "-W", "ignore", "-m", "hf_paged_attn.bench", "--smoke"], "-m hf_paged_attn.bench"),
+        ([PY, "-X", "importtime", "-W", "ignore", "-m", "hf_paged_attn_tools.bench", "--smoke"], "-m hf_paged_attn_tools.bench"),
         ([PY, "-Ximporttime", "-Bmhf_paged_attn.cli", "demo"], "-m hf_paged_attn.cli"),
         ([PY, "-I", "/venv/bin/hf-paged-attn", "demo"], "/venv/bin/hf-paged-attn"),
         ([PY, "-c", "import hf_paged_attn", "-m", "hf_paged_attn.demo"], None),
@@ -38,11 +38,11 @@ def test_entry_point(orig_argv, expected):
     ("orig_argv", "is_cli"),
     [
         ([PY, "-m", "hf_paged_attn.demo"], True),
-        ([PY, "-m", "hf_paged_attn.bench"], True),
+        ([PY, "-m", "hf_paged_attn_tools.bench"], True),
         ([PY, "-m", "hf_paged_attn.cli", "bench"], True),
         ([PY, "/venv/bin/hf-paged-attn", "demo"], True),
         ([PY, "-m", "pytest", "tests"], False),
-        ([PY, "-m", "hf_paged_attn.devtools.compat"], False),
+        ([PY, "-m", "hf_paged_attn_tools.compat"], False),
         ([PY, "train.py"], False),
         ([PY, "-c", "import hf_paged_attn"], False),
     ],
@@ -142,7 +142,7 @@ def test_serve_without_the_extra(monkeypatch, capsys):
 
 
 def test_bench_writes_to_the_user_cache_not_the_current_directory(monkeypatch, tmp_path):
-    from hf_paged_attn.bench.command import default_out_dir, parse_args
+    from hf_paged_attn_tools.bench.command import default_out_dir, parse_args
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))

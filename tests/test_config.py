@@ -66,7 +66,7 @@ def test_for_model_sees_attention_sinks(monkeypatch):
 
     seen = []
     monkeypatch.setattr(kernels, "resolve_kernel", lambda *args: seen.append(args[-1]) or "torch")
-    monkeypatch.setattr("hf_paged_attn.config.resolve_kernel", kernels.resolve_kernel)
+    monkeypatch.setattr("hf_paged_attn.runtime.config.resolve_kernel", kernels.resolve_kernel)
     config = GptOssConfig(
         vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, num_local_experts=2, num_experts_per_tok=1,

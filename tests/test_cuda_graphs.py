@@ -21,17 +21,17 @@ import torch  # noqa: E402
 
 import hf_paged_attn  # noqa: E402, F401  (registers "paged")
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig  # noqa: E402
-from hf_paged_attn.cuda_graphs import DecodeGraphs, decode_buckets, max_blocks_per_seq  # noqa: E402
-from hf_paged_attn.devtools.testing import (  # noqa: E402
+from hf_paged_attn.attention.step import build_step  # noqa: E402
+from hf_paged_attn.kernels import BACKENDS  # noqa: E402
+from hf_paged_attn.runtime.cuda_graphs import DecodeGraphs, decode_buckets, max_blocks_per_seq  # noqa: E402
+from hf_paged_attn_tools.testing import (  # noqa: E402
     compare_greedy,
     left_padded,
     load_pair,
     save_random_model,
     tiny_llama_config,
 )
-from hf_paged_attn.devtools.tiny_configs import tiny_config  # noqa: E402
-from hf_paged_attn.kernels import BACKENDS  # noqa: E402
-from hf_paged_attn.step import build_step  # noqa: E402
+from hf_paged_attn_tools.tiny_configs import tiny_config  # noqa: E402
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 

@@ -8,11 +8,19 @@ import pytest
 import torch
 
 from hf_paged_attn import ContinuousBatchingEngine
-from hf_paged_attn.distributed import engine_class, is_driver, is_tensor_parallel, kv_heads, on_driver, pack, unpack
-from hf_paged_attn.layers import LayerKinds
-from hf_paged_attn.request import Request
-from hf_paged_attn.scheduler import ScheduledRequest
-from hf_paged_attn.step import build_step
+from hf_paged_attn.attention.step import build_step
+from hf_paged_attn.core.layers import LayerKinds
+from hf_paged_attn.core.request import Request
+from hf_paged_attn.core.scheduler import ScheduledRequest
+from hf_paged_attn.parallel.tensor_parallel import (
+    engine_class,
+    is_driver,
+    is_tensor_parallel,
+    kv_heads,
+    on_driver,
+    pack,
+    unpack,
+)
 
 CPU = torch.device("cpu")
 

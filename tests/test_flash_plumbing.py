@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hf_paged_attn.devtools.testing import shuffled_block_table
 from hf_paged_attn.kernels import flash_backend as fb
 from hf_paged_attn.kernels import reference
+from hf_paged_attn_tools.testing import shuffled_block_table
 
 BF16_TOL = 3e-2
 

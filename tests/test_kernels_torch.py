@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_paged_attn.blocks import blocks_for
+from hf_paged_attn.core.blocks import blocks_for
 from hf_paged_attn.kernels import reference, torch_backend
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}

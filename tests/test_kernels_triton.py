@@ -26,7 +26,7 @@ import torch  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from hf_paged_attn.blocks import blocks_for  # noqa: E402
+from hf_paged_attn.core.blocks import blocks_for  # noqa: E402
 from hf_paged_attn.kernels import reference  # noqa: E402
 from hf_paged_attn.kernels import triton_backend as tb  # noqa: E402
 

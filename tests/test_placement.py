@@ -9,18 +9,18 @@ from types import SimpleNamespace
 import torch
 from transformers import LlamaForCausalLM
 
-from hf_paged_attn.cache import bytes_per_block
-from hf_paged_attn.devtools.testing import tiny_llama_config
-from hf_paged_attn.placement import (
+from hf_paged_attn.attention.cache import bytes_per_block
+from hf_paged_attn.attention.step import build_step
+from hf_paged_attn.core.request import Request
+from hf_paged_attn.core.scheduler import ScheduledRequest
+from hf_paged_attn.runtime.placement import (
     as_device,
     blocks_from_memory,
     input_device,
     kernel_device,
     layer_devices,
 )
-from hf_paged_attn.request import Request
-from hf_paged_attn.scheduler import ScheduledRequest
-from hf_paged_attn.step import build_step
+from hf_paged_attn_tools.testing import tiny_llama_config
 
 CPU, META = torch.device("cpu"), torch.device("meta")
 GPU0, GPU1 = torch.device("cuda:0"), torch.device("cuda:1")

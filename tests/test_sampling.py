@@ -8,9 +8,9 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 import hf_paged_attn  # noqa: F401  registers "paged"
+from hf_paged_attn.core.request import Request
 from hf_paged_attn.demo import DEMO_MODEL
-from hf_paged_attn.request import Request
-from hf_paged_attn.sampling import draw, make_sampling_params, sample_tokens, stacked_scores
+from hf_paged_attn.runtime.sampling import draw, make_sampling_params, sample_tokens, stacked_scores
 
 
 @pytest.fixture(scope="module")

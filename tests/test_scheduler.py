@@ -4,10 +4,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_paged_attn.blocks import RELEASED, BlockAllocator
-from hf_paged_attn.kv_manager import KVBlockManager
-from hf_paged_attn.request import Request, Status
-from hf_paged_attn.scheduler import Scheduler
+from hf_paged_attn.core.blocks import RELEASED, BlockAllocator
+from hf_paged_attn.core.kv_manager import KVBlockManager
+from hf_paged_attn.core.request import Request, Status
+from hf_paged_attn.core.scheduler import Scheduler
 
 
 def make(num_blocks=16, block_size=4, max_num_seqs=8, max_batch_tokens=16):

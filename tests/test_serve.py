@@ -22,7 +22,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from hf_paged_attn.demo import DEMO_MODEL, PROMPTS  # noqa: E402
-from hf_paged_attn.serve.launch import ServerProcess  # noqa: E402
+from hf_paged_attn_tools.launch import ServerProcess  # noqa: E402
 
 NAME = "demo"
 TIMEOUT = 60.0  # per HTTP call: a loaded CI machine is slow, a hang must still fail

@@ -16,7 +16,7 @@ pytest.importorskip("uvicorn")
 
 from hf_paged_attn.demo import DEMO_MODEL  # noqa: E402
 from hf_paged_attn.serve.cli import paged_config, parse_args  # noqa: E402
-from hf_paged_attn.serve.launch import ServerProcess  # noqa: E402
+from hf_paged_attn_tools.launch import ServerProcess  # noqa: E402
 
 KEY = "sk-test-123"
 TIMEOUT = 60.0

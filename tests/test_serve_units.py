@@ -9,10 +9,10 @@ pytest.importorskip("fastapi")
 
 from transformers import AutoTokenizer  # noqa: E402
 
-from hf_paged_attn.bench import serve as bench_serve  # noqa: E402
 from hf_paged_attn.demo import DEMO_MODEL  # noqa: E402
 from hf_paged_attn.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse  # noqa: E402
 from hf_paged_attn.serve.text import IncrementalText, make_decoder  # noqa: E402
+from hf_paged_attn_tools.bench import serve as bench_serve  # noqa: E402
 
 
 def chars(text: str) -> list[int]:

@@ -44,7 +44,7 @@ def test_soak_main_with_60_requests(soak, tmp_path, capsys):
 
 def test_soak_fails_on_a_leaked_block(soak, monkeypatch):
     """A planted leak (an aborted running request's blocks never freed) makes the run fail."""
-    from hf_paged_attn.scheduler import Scheduler
+    from hf_paged_attn.core.scheduler import Scheduler
 
     remove = Scheduler.remove
 

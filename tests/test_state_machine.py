@@ -24,11 +24,11 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from hf_paged_attn.blocks import ROOT_DIGEST, BlockAllocator, blocks_for, chain_digest
-from hf_paged_attn.kv_manager import KVBlockManager
-from hf_paged_attn.policy import POLICIES
-from hf_paged_attn.request import Request, Status
-from hf_paged_attn.scheduler import Scheduler, SchedulerOutput
+from hf_paged_attn.core.blocks import ROOT_DIGEST, BlockAllocator, blocks_for, chain_digest
+from hf_paged_attn.core.kv_manager import KVBlockManager
+from hf_paged_attn.core.policy import POLICIES
+from hf_paged_attn.core.request import Request, Status
+from hf_paged_attn.core.scheduler import Scheduler, SchedulerOutput
 
 ALPHABET = (1, 2)
 MAX_PROMPT = 12

@@ -2,9 +2,9 @@
 
 import torch
 
-from hf_paged_attn.request import Request
-from hf_paged_attn.scheduler import ScheduledRequest
-from hf_paged_attn.step import build_step, varlen_lengths
+from hf_paged_attn.attention.step import build_step, varlen_lengths
+from hf_paged_attn.core.request import Request
+from hf_paged_attn.core.scheduler import ScheduledRequest
 
 CPU = torch.device("cpu")
 

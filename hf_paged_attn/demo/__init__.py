@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 import hf_paged_attn
-from hf_paged_attn import ContinuousBatchingEngine, PagedConfig, _env
+
+from .. import ContinuousBatchingEngine, PagedConfig, _env
 
 DEMO_MODEL = Path(__file__).parent.parent / "assets" / "demo-model"
 

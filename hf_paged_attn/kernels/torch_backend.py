@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..blocks import blocks_for
+from ..core.blocks import blocks_for
 from . import cpu_native
 
 _MAX_SCORES = 1 << 25  # fp32 elements of one explicit score chunk (128 MiB)

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..config import PagedConfig
+from ..runtime.config import PagedConfig
 
 logger = logging.getLogger("hf_paged_attn.serve")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -80,8 +80,9 @@ def load(args: argparse.Namespace) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import hf_paged_attn  # noqa: F401  registers attn_implementation="paged"
-    from hf_paged_attn import ContinuousBatchingEngine
-    from hf_paged_attn.distributed import is_driver, serve_worker
+
+    from .. import ContinuousBatchingEngine
+    from ..parallel.tensor_parallel import is_driver, serve_worker
 
     config = paged_config(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,0 +1,247 @@
+"""PagedAttentionCache: K/V stored in fixed-size blocks, addressed through a block table.
+
+Each layer owns two page tensors ``[num_blocks, block_size, num_kv_heads, head_dim]``, created
+lazily at the layer's first write so that models whose layers differ in head count or head dim get
+pages of the right shape per layer. One block id means the same block in every layer, so a single
+allocator and a single block table serve the whole model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import weakref
+from collections.abc import Iterator
+
+import torch
+from transformers import Cache, PreTrainedConfig
+from transformers.cache_utils import CacheLayerMixin
+
+from ..core.layers import LayerKinds
+from .step import StepMetadata
+
+# The step running in this thread, for the attention function of models whose decoder layers don't
+# forward **kwargs (Nemotron), so that the ``paged_metadata`` forward kwarg never reaches it.
+ACTIVE_STEP: contextvars.ContextVar[StepMetadata | None] = contextvars.ContextVar("paged_step", default=None)
+
+
+def prefills_from_pages(backend: object) -> bool:
+    """Whether ``backend``'s varlen path reads K/V straight from the pages (``PREFILL_FROM_PAGES``,
+    see ``hf_paged_attn.kernels``): then the cache writes the step's K/V and gathers nothing."""
+    return getattr(backend, "PREFILL_FROM_PAGES", False)
+
+
+def pad_head_dim(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x`` with its last (head) dim zero-padded to ``width``. Zero query/key columns leave q·k
+    unchanged and zero value columns give zero output columns, so padding is exact."""
+    return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+
+
+class PagedLayer(CacheLayerMixin):
+    """One layer's pages. ``keys``/``values``: [num_blocks, block_size, num_kv_heads, width], where
+    ``width`` is the larger of the key and value head dims (equal in most models)."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int, is_sliding: bool = False, group: int = 0, slot: int | None = None
+    ) -> None:
+        super().__init__()
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.is_sliding = is_sliding
+        self.group = group  # attention group (layers.py): whose block tables address these pages
+        self.slot = slot  # page tensor shared with the same slot of the other groups (None: own pages)
+        self.window: int | None = None  # sliding window the attention used last (None: full)
+        # Weak references to the K/V that the last update returned: the attention function checks
+        # that it got exactly these (model_checks.check_attention_call) without keeping them alive.
+        self.returned: tuple[weakref.ref, weakref.ref] | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        # key_states: [batch, num_kv_heads, seq, head_dim] as transformers' attention modules give them
+        _, num_kv_heads, _, self.key_dim = key_states.shape
+        self.value_dim = value_states.shape[-1]
+        # K and V pages share one width, the larger head dim (zero-padded): flash-attn and the decode
+        # kernels need equal head dims, and models with latent attention (DeepSeek, MiMo) differ.
+        shape = (self.num_blocks, self.block_size, num_kv_heads, max(self.key_dim, self.value_dim))
+        self.keys = torch.zeros(shape, dtype=key_states.dtype, device=key_states.device)
+        self.values = torch.zeros(shape, dtype=value_states.dtype, device=value_states.device)
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def can_share(self, owner: PagedLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
+        """Whether ``owner``'s page tensors can hold this layer's K/V (shape, dtype, device)."""
+        _, num_kv_heads, _, key_dim = key_states.shape
+        width = max(key_dim, value_states.shape[-1])
+        want = (owner.num_blocks, owner.block_size, num_kv_heads, width, key_states.dtype, key_states.device)
+        return want == (*owner.keys.shape, owner.keys.dtype, owner.keys.device)
+
+    def share_pages(self, owner: PagedLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Use ``owner``'s page tensors: the same slot of another attention group, addressed through
+        other block ids."""
+        self.key_dim, self.value_dim = key_states.shape[-1], value_states.shape[-1]
+        self.keys, self.values, self.device = owner.keys, owner.values, owner.device
+        self.is_initialized = True
+
+    @property
+    def width(self) -> int:
+        return self.keys.shape[-1]
+
+    def write(self, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+        """key/value: [N, num_kv_heads, head_dim] written at flat slots [N]."""
+        self.keys.view(-1, *self.keys.shape[2:]).index_copy_(0, slots, pad_head_dim(key, self.width))
+        self.values.view(-1, *self.values.shape[2:]).index_copy_(0, slots, pad_head_dim(value, self.width))
+
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K/V at flat ``slots`` [K], packed: [K, num_kv_heads, key_dim] and [K, num_kv_heads, value_dim]."""
+        keys = self.keys.view(-1, *self.keys.shape[2:]).index_select(0, slots)
+        values = self.values.view(-1, *self.values.shape[2:]).index_select(0, slots)
+        return keys[..., : self.key_dim], values[..., : self.value_dim]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        raise RuntimeError("PagedLayer is written through PagedAttentionCache.update")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # kv_length 0 tells the "paged" mask function that the kernels mask by cu_seqlens instead
+        # (see integration.paged_mask): no [q, kv] mask is ever built for a packed step.
+        return 0, 0
+
+    def get_seq_length(self) -> int:
+        return 0  # lengths are per request, in the step metadata
+
+    def get_max_length(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+class PagedAttentionCache(Cache):
+    """A ``transformers.Cache`` whose layers are paged.
+
+    The engine opens a step with ``with cache.step(metadata): model(...)``; inside it, ``update``
+    writes the step's new K/V through ``metadata.slot_mapping`` and, on the varlen path, returns each
+    request's full K/V packed along one axis for the kernel, unless the backend prefills from the
+    pages (``prefills_from_pages``): then it writes them with the backend's ``write_kv`` and returns
+    them untouched. On the decode path it returns the new K/V untouched: the paged decode kernel
+    appends them in place.
+    """
+
+    def __init__(
+        self, config: PreTrainedConfig, num_blocks: int, block_size: int, layers: LayerKinds | None = None
+    ) -> None:
+        layers = layers or LayerKinds.from_config(config, share_pages=False)
+        shared = len(layers.groups) > 1  # hybrid groups: the j-th layer of every group shares slot j
+        super().__init__(
+            layers=[
+                PagedLayer(
+                    num_blocks, block_size, is_sliding=window is not None, group=layers.group_of_layer[i],
+                    slot=layers.slot_of_layer[i] if shared else None,
+                )
+                for i, window in enumerate(layers.windows)
+            ]
+        )  # fmt: skip
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.metadata: StepMetadata | None = None
+        self._slot_owner: dict[int, PagedLayer] = {}
+
+    @contextlib.contextmanager
+    def step(self, metadata: StepMetadata) -> Iterator[StepMetadata]:
+        self.metadata = metadata
+        token = ACTIVE_STEP.set(metadata)
+        try:
+            yield metadata
+        finally:
+            ACTIVE_STEP.reset(token)
+            self.metadata = None
+            for layer in self.layers:
+                layer.returned = None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """key_states/value_states: [1, num_kv_heads, N, head_dim] -> the K/V the kernel reads."""
+        meta = self.metadata
+        if meta is None:
+            raise RuntimeError(
+                "PagedAttentionCache.update was called outside an engine step; run generation through "
+                "model.generate or ContinuousBatchingEngine, or call the model without this cache"
+            )
+        meta = meta.on(key_states.device)  # a layer placed on another device reads its own copy
+        layer = self.layers[layer_idx]
+        if not layer.is_initialized:
+            self._initialize(layer, key_states, value_states)
+        if not meta.is_decode:
+            assert key_states.shape[0] == 1, f"paged steps pack every request in batch row 0, got {key_states.shape}"
+            tables = meta.for_group(layer.group)  # this layer's block ids
+            new_keys, new_values = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)  # [N, H_kv, D]
+            if prefills_from_pages(meta.backend):
+                # The kernel reads every key from the pages: write the new ones, return K/V untouched
+                # (as on the decode path) so the attention call still passes check_attention_call.
+                width = layer.width
+                meta.backend.write_kv(
+                    pad_head_dim(new_keys, width), pad_head_dim(new_values, width),
+                    layer.keys, layer.values, tables.slot_mapping,
+                )  # fmt: skip
+            else:
+                layer.write(new_keys, new_values, tables.slot_mapping)
+                keys, values = layer.gather(tables.gather_slots)  # [K, H_kv, D] each
+                key_states = keys.transpose(0, 1).unsqueeze(0)  # [1, H_kv, K, D]
+                value_states = values.transpose(0, 1).unsqueeze(0)
+        layer.returned = (weakref.ref(key_states), weakref.ref(value_states))
+        # The attention call that follows reads this layer's pages. Not through the module's
+        # layer_idx, which some models offset (HRM reuses layers across recurrent cycles).
+        meta.last_layer = layer
+        return key_states, value_states
+
+    def _initialize(self, layer: PagedLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        owner = self._slot_owner.get(layer.slot) if layer.slot is not None else None
+        # A layer whose K/V differ from its slot's (some models give sliding layers other head
+        # counts) keeps pages of its own: still addressed by its group's block ids, only larger.
+        if owner is not None and layer.can_share(owner, key_states, value_states):
+            layer.share_pages(owner, key_states, value_states)
+        else:
+            layer.lazy_initialization(key_states, value_states)
+            if layer.slot is not None:
+                self._slot_owner[layer.slot] = layer
+
+    def observed_windows(self) -> list[int | None]:
+        """The sliding window each layer's attention used at the last step (None: full)."""
+        return [layer.window for layer in self.layers]
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block ``dst`` becomes a copy of block ``src`` in every layer."""
+        if not pairs:
+            return
+        distinct = {id(layer.keys): layer for layer in self.layers if layer.is_initialized}  # shared pages once
+        for layer in distinct.values():
+            if layer.is_initialized:
+                src = torch.tensor([s for s, _ in pairs], device=layer.keys.device)
+                dst = torch.tensor([d for _, d in pairs], device=layer.keys.device)
+                layer.keys[dst] = layer.keys[src]
+                layer.values[dst] = layer.values[src]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return 0, 0
+
+
+def bytes_per_block(
+    config: PreTrainedConfig, block_size: int, dtype: torch.dtype, num_layers: int | None = None
+) -> int:
+    """K and V bytes of one block across the ``num_layers`` layers one block id spans (default:
+    all; a hybrid model's ``LayerKinds.num_slots``), from the config: pages are made lazily."""
+    text = config.get_text_config()
+    num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * (num_layers or text.num_hidden_layers) * block_size * num_kv_heads * head_dim * element
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 4 << 30  # no /proc (macOS, Windows): assume 4 GiB rather than fail

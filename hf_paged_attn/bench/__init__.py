@@ -1,9 +1,0 @@
-"""Benchmark: the paged engine, its ``model.generate`` routing, transformers' continuous batching
-and padded ``generate`` on the same model and requests, against a forward-only bound.
-
-Run ``python -m hf_paged_attn.bench --help`` (or ``hf-paged-attn bench --help``).
-"""
-
-from .command import main, run
-
-__all__ = ["main", "run"]

@@ -1,0 +1,211 @@
+"""``model.generate`` on a "paged" model: a padded batch in, the same tensor (or
+``GenerateDecoderOnlyOutput``) that transformers' ``generate`` returns, continuous batching inside.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.utils import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
+
+from ..core.kv_manager import blocks_at_peak
+from ..core.layers import LayerKinds
+from ..core.request import RequestOutput
+from ..parallel.tensor_parallel import is_driver, on_driver
+from ..runtime.config import PagedConfig
+from ..runtime.engine import ContinuousBatchingEngine
+from ..runtime.placement import input_device
+from ..runtime.sampling import RUN_ANYWAY
+
+_REFUSED = {  # generate() arguments with no meaning here, refused by name rather than ignored
+    "prefix_allowed_tokens_fn": "prefix_allowed_tokens_fn",
+    "assistant_model": "assisted decoding (assistant_model)",
+    "negative_prompt_ids": "negative prompts (classifier-free guidance)",
+    "negative_prompt_attention_mask": "negative prompts (classifier-free guidance)",
+    "custom_generate": "custom_generate",
+    "inputs_embeds": "inputs_embeds (the engine needs token ids)",
+}
+
+
+def paged_generate(
+    model: torch.nn.Module,
+    inputs: torch.Tensor | None = None,
+    generation_config: GenerationConfig | None = None,
+    logits_processor: LogitsProcessorList | None = None,
+    stopping_criteria: StoppingCriteriaList | None = None,
+    streamer=None,
+    paged_config: PagedConfig | None = None,
+    tokenizer=None,
+    **kwargs,
+) -> torch.Tensor | GenerateDecoderOnlyOutput:
+    """Continuous-batching ``generate``: rows of the padded batch become requests."""
+    for name, what in _REFUSED.items():
+        if kwargs.pop(name, None) is not None:
+            raise NotImplementedError(f"{what} is not supported by the paged engine's generate; {RUN_ANYWAY}")
+    if kwargs.pop("synced_gpus", None):
+        raise NotImplementedError("synced_gpus is not supported by the paged engine's generate")
+    has_default_max_length = kwargs.get("max_length") is None and (
+        generation_config is None or generation_config.max_length is None
+    )
+    config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
+    input_ids = inputs if inputs is not None else model_kwargs.pop("input_ids", None)
+    if input_ids is None:
+        raise ValueError("paged generate needs input_ids (a [batch, seq] tensor of token ids)")
+    if input_ids.dim() == 1:
+        input_ids = input_ids.unsqueeze(0)
+    attention_mask = model_kwargs.pop("attention_mask", None)
+    model_kwargs.pop("use_cache", None)  # the engine always caches, in its own PagedAttentionCache
+    for name in ("cache", "past_key_values"):
+        if model_kwargs.pop(name, None) is not None:
+            raise NotImplementedError(f"{name}= is not supported: the paged engine builds its own cache")
+    if model_kwargs:
+        raise NotImplementedError(
+            f"model inputs {sorted(model_kwargs)} are not supported by the paged engine; {RUN_ANYWAY}"
+        )
+    num_sequences = int(config.num_return_sequences or 1)
+    num_beams = int(config.num_beams or 1)
+    if streamer is not None and num_beams > 1:
+        raise ValueError("streamer= cannot be used with beam search, as in transformers' generate: set num_beams=1")
+    if streamer is not None and input_ids.shape[0] * num_sequences != 1:
+        raise ValueError(
+            "streamer= works with one sequence only, as in transformers' generate: got a batch of "
+            f"{input_ids.shape[0]} with num_return_sequences={num_sequences}"
+        )
+
+    config = model._prepare_generated_length(
+        generation_config=config,
+        has_default_max_length=has_default_max_length and model.generation_config.max_length is None,
+        has_default_min_length=True,
+        model_input_name="input_ids",
+        inputs_tensor=input_ids,
+        input_ids_length=input_ids.shape[1],
+    )
+    # One prompt needs no mask (nothing is padded): transformers' warning about a missing mask is for batches.
+    has_mask = attention_mask is not None or input_ids.shape[0] == 1
+    model._prepare_special_tokens(config, has_mask, device=input_device(model))
+    max_new_tokens = config.max_length - input_ids.shape[1]
+    if max_new_tokens <= 0:
+        raise ValueError(
+            f"max_length={config.max_length} leaves no room after the {input_ids.shape[1]}-token input; "
+            "set max_new_tokens"
+        )
+    prompts, paddings = _unpad(input_ids, attention_mask)
+    paged_config = paged_config or getattr(model, "paged_config", None) or PagedConfig()
+    paged_config = paged_config.for_model(model)  # the engine's kernel and block size
+    groups = LayerKinds.from_config(model.config, paged_config.hybrid_kv).groups
+    size, budget = paged_config.block_size, paged_config.max_batch_tokens
+    per_prompt = max(num_sequences, num_beams)  # beams: the worst case, every beam recomputed alone after a preemption
+    exact_fit = sum(blocks_at_peak(len(p) + max_new_tokens, size, groups, budget) for p in prompts) * per_prompt
+    # ``config`` is the engine's own (below): already prepared, so add_request does not prepare it again per prompt
+    common = dict(max_new_tokens=max_new_tokens, logits_processor=logits_processor,
+                  stopping_criteria=stopping_criteria, tokenizer=tokenizer)  # fmt: skip
+
+    def on_output(out: RequestOutput) -> None:
+        if out.finish_reason == "error":
+            raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+        if streamer is not None and out.new_ids:
+            streamer.put(torch.tensor(out.new_ids))
+
+    def run() -> list[RequestOutput]:
+        engine = ContinuousBatchingEngine(model, paged_config, config, num_blocks=paged_config.num_blocks or exact_fit)
+        ids = engine.add_all([dict(input_ids=p, padding=pad, **common) for p, pad in zip(prompts, paddings)])
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        return engine.collect(ids, on_output=on_output)
+
+    # Tensor-parallel model: rank 0 runs the engine, the other ranks its forwards; all get the outputs.
+    ordered = on_driver(model, run)
+    if streamer is not None:
+        if not is_driver(model):  # the other ranks' streamers get the prompt and the output at the end
+            streamer.put(input_ids.cpu())
+            streamer.put(torch.tensor(ordered[0].output_ids))
+        streamer.end()
+    return _pack(model, config, input_ids.repeat_interleave(num_sequences, dim=0), ordered)
+
+
+def _unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[list[list[int]], list[list[int]]]:
+    """Each row's real tokens (left or right padding removed by the attention mask), and the left
+    padding before them: generate's processors see it (min_length, forced EOS, n-grams count it)."""
+    if attention_mask is None:
+        return input_ids.tolist(), [[] for _ in range(input_ids.shape[0])]
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids {tuple(input_ids.shape)}")
+    prompts, paddings = [], []
+    for row, mask in zip(input_ids.cpu().tolist(), attention_mask.cpu().bool().tolist()):
+        prompts.append([t for t, m in zip(row, mask) if m])
+        first = mask.index(True) if True in mask else len(mask)
+        left_padded = all(mask[first:])  # right or inner padding: no prefix reproduces what generate saw
+        paddings.append(row[:first] if left_padded else [])
+    return prompts, paddings
+
+
+def _pack(
+    model: torch.nn.Module, config: GenerationConfig, input_ids: torch.Tensor, outputs: list[RequestOutput]
+) -> torch.Tensor | GenerateDecoderOnlyOutput:
+    """Lay results out as generate does: [batch, input_len + longest output], pad after EOS."""
+    if (config.num_beams or 1) > 1:
+        return _pack_beams(config, input_ids, outputs)
+    pad = config._pad_token_tensor
+    pad_id = int(pad) if pad is not None else 0
+    width = max(len(o.output_ids) for o in outputs)
+    new = torch.full((len(outputs), width), pad_id, dtype=input_ids.dtype)
+    for row, out in enumerate(outputs):
+        new[row, : len(out.output_ids)] = torch.tensor(out.output_ids, dtype=input_ids.dtype)
+    sequences = torch.cat([input_ids.cpu(), new], dim=1).to(input_ids.device)
+    if not config.return_dict_in_generate:
+        return sequences
+    return GenerateDecoderOnlyOutput(
+        sequences=sequences,
+        scores=_per_step(outputs, "scores", width) if config.output_scores else None,
+        logits=_per_step(outputs, "logits", width) if config.output_logits else None,
+    )
+
+
+def _per_step(outputs: list[RequestOutput], field: str, width: int) -> tuple[torch.Tensor, ...]:
+    """generate's layout: one [batch, vocab] tensor per step. Rows that had already finished hold
+    zeros (the engine stops computing a finished request; generate keeps padding it)."""
+    first = next(getattr(o, field)[0] for o in outputs if getattr(o, field))
+    steps = []
+    for t in range(width):
+        rows = [getattr(o, field)[t] if t < len(getattr(o, field) or []) else torch.zeros_like(first) for o in outputs]
+        steps.append(torch.stack(rows))
+    return tuple(steps)
+
+
+def _pack_beams(
+    config: GenerationConfig, input_ids: torch.Tensor, outputs: list[RequestOutput]
+) -> torch.Tensor | GenerateBeamDecoderOnlyOutput:
+    """Beam search's layout: hypotheses filled with pad (or, where pad is 0 or unset, the first EOS)
+    as transformers fills them; ``beam_indices`` count beams across the batch (row b's beams are
+    ``b * num_beams + k``), -1 past each hypothesis' end."""
+    pad, eos = config._pad_token_tensor, config._eos_token_tensor
+    fill = (int(pad) if pad is not None and int(pad) else int(eos.flatten()[0])) if eos is not None else -1
+    width = max(len(o.output_ids) for o in outputs)
+    new = torch.full((len(outputs), width), fill, dtype=input_ids.dtype)
+    indices = torch.full((len(outputs), width), -1, dtype=torch.int64)
+    per_prompt = int(config.num_return_sequences or 1)
+    for row, out in enumerate(outputs):
+        new[row, : len(out.output_ids)] = torch.tensor(out.output_ids, dtype=input_ids.dtype)
+        offset = (row // per_prompt) * config.num_beams
+        indices[row, : len(out.beam_indices)] = torch.tensor(out.beam_indices, dtype=torch.int64) + offset
+    sequences = torch.cat([input_ids.cpu(), new], dim=1).to(input_ids.device)
+    if not config.return_dict_in_generate:
+        return sequences
+    heads = outputs[::per_prompt]  # a search's per-step scores ride on its first sequence
+    return GenerateBeamDecoderOnlyOutput(
+        sequences=sequences,
+        sequences_scores=torch.tensor([o.score for o in outputs]) if config.output_scores else None,
+        scores=_per_beam_step(heads, "scores") if config.output_scores else None,
+        logits=_per_beam_step(heads, "logits") if config.output_logits else None,
+        beam_indices=indices.to(input_ids.device),
+    )
+
+
+def _per_beam_step(heads: list[RequestOutput], field: str) -> tuple[torch.Tensor, ...]:
+    """One [batch * num_beams, vocab] tensor per step; a search that ended before the longest one
+    holds zeros there (transformers keeps computing every search until all have ended)."""
+    steps = [getattr(o, field) or [] for o in heads]
+    first = next(s[0] for s in steps if s)
+    return tuple(
+        torch.cat([s[t] if t < len(s) else torch.zeros_like(first) for s in steps]) for t in range(max(map(len, steps)))
+    )

@@ -1,0 +1,52 @@
+"""Registration with transformers: the one module that patches anything.
+
+``register()`` adds ``"paged"`` to transformers' attention and mask interfaces and routes
+``generate`` of models whose attention is ``"paged"`` to the continuous-batching engine. Every
+other model keeps transformers' own ``generate`` untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from transformers import AttentionInterface, GenerationMixin
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from ..attention.function import PagedWindow, paged_attention_forward
+
+NAME = "paged"  # never "paged|...": transformers reserves that prefix for its own engine
+
+
+def paged_mask(*args, kv_length: int, local_size: int | None = None, **kwargs):
+    """Mask function for ``"paged"``: no tensor inside an engine step, sdpa's everywhere else.
+
+    ``PagedAttentionCache.get_mask_sizes`` reports ``kv_length == 0`` (never a real length: the
+    keys include the queries) because the kernels mask by ``cu_seqlens`` / ``cache_seqlens``.
+    A sliding-window mask still passes its window on (``PagedWindow``): some models (PhiMoE) set
+    the window only through the mask, not through the attention call's ``sliding_window``.
+    """
+    if kv_length == 0:
+        return PagedWindow(local_size) if local_size else None
+    return sdpa_mask(*args, kv_length=kv_length, local_size=local_size, **kwargs)
+
+
+def register() -> str:
+    """Register ``"paged"`` (idempotent) and return the name to pass as ``attn_implementation``."""
+    AttentionInterface.register(NAME, paged_attention_forward)
+    AttentionMaskInterface.register(NAME, paged_mask)
+    if not getattr(GenerationMixin.generate, "_hf_paged_attn", False):
+        GenerationMixin.generate = _routed(GenerationMixin.generate)
+    return NAME
+
+
+def _routed(original):
+    @functools.wraps(original)
+    def generate(self, *args, **kwargs):
+        if getattr(self.config, "_attn_implementation", None) == NAME:
+            from .generate import paged_generate
+
+            return paged_generate(self, *args, **kwargs)
+        return original(self, *args, **kwargs)
+
+    generate._hf_paged_attn = True
+    return generate

@@ -1,0 +1,387 @@
+"""Tensor parallelism: one engine across the ranks of a model that transformers sharded with
+``from_pretrained(..., tp_plan="auto")`` under ``torchrun``.
+
+Rank 0 (the *driver*) owns intake, scheduling and sampling: it is an ordinary engine whose
+``_forward`` first sends the step to the other ranks (the *workers*). A step's message is the
+step's metadata (``StepMetadata``'s tensors, on the CPU) plus the step's copy-on-write block
+copies; each worker copies its blocks and runs the same forward on its shard, its cache holding
+only its own K/V heads. Only rank 0 samples, so sampling uses one generator whatever the ranks'
+random states; the tokens reach the workers as the next step's ``input_ids``.
+
+Messages go over a gloo group of their own (CPU, whatever the model's backend), so a worker can
+wait between requests for as long as the server idles, and never mixes a message up with the
+model's own collectives. Around each forward, two flags are all-reduced: "ready" (every rank
+prepared the step) and "done" (every rank finished it). A rank that raised makes every rank skip
+or discard that step, and rank 0 fails the step's requests, as one process would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import pickle
+import signal
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from ..attention import cache as cache_module
+from ..attention.step import StepMetadata
+from ..core.layers import LayerKinds
+from ..core.scheduler import SchedulerOutput
+from ..runtime import placement
+from ..runtime.config import PagedConfig
+from ..runtime.engine import ContinuousBatchingEngine
+
+T = TypeVar("T")
+# Workers wait on the control group between requests: as long as a server may idle, not gloo's 30 min.
+IDLE_TIMEOUT = timedelta(days=365)
+_LOCAL_FIELDS = {"backend", "last_layer", "copies", "group_views", "memo"}  # StepMetadata fields each rank makes itself
+
+
+# ----------------------------------------------------------------------------- who is what
+def is_tensor_parallel(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is sharded over several ranks (``from_pretrained(..., tp_plan=...)``)."""
+    return dist.is_available() and dist.is_initialized() and (getattr(model, "tp_size", None) or 1) > 1
+
+
+def is_driver(model: torch.nn.Module) -> bool:
+    """True on rank 0 of a tensor-parallel model, and always for a model in one process."""
+    return not is_tensor_parallel(model) or dist.get_rank() == 0
+
+
+def engine_class(model: torch.nn.Module, cls: type) -> type:
+    """The class ``ContinuousBatchingEngine(model)`` builds: the tensor-parallel engine for a sharded model."""
+    return TensorParallelEngine if cls is ContinuousBatchingEngine and is_tensor_parallel(model) else cls
+
+
+class RankError(RuntimeError):
+    """Another rank raised while running a step; the message names the rank(s) and the error."""
+
+
+# ----------------------------------------------------------------------------- the channel
+class ControlChannel:
+    """Rank 0 to the other ranks: one pickled message per ``send``, on a gloo group of its own."""
+
+    def __init__(self) -> None:
+        self.group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.listening = False  # rank 0: the workers are in run_worker, waiting for messages
+        self.session: object | None = None  # rank 0: the engine the workers follow now
+        self.outcome: Any = None  # workers: what the last "stop" message carried
+
+    def send(self, *message: object) -> None:
+        dist.broadcast_object_list([message], src=0, group=self.group)
+
+    def receive(self) -> tuple:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def agree_min(self, value: int) -> int:
+        """The smallest ``value`` over the ranks (every rank calls it)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
+    def check(self, error: BaseException | None) -> None:
+        """Every rank calls it with what it raised (or None): raises the same on every rank if any
+        rank raised (rank 0's own exception when it raised itself), else returns."""
+        flag = torch.tensor([error is not None], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if not flag.item():
+            return
+        texts: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(texts, None if error is None else f"{type(error).__name__}: {error}", group=self.group)
+        if self.rank == 0 and error is not None:
+            raise error
+        failed = "; ".join(f"rank {r}: {t}" for r, t in enumerate(texts) if t is not None)
+        raise RankError(f"the step failed on another rank ({failed})")
+
+    def release(self, outcome: object = None) -> None:
+        """Rank 0: end the workers' ``run_worker`` (once), handing them ``outcome``."""
+        if self.listening:
+            self.listening, self.session = False, None
+            self.send("stop", outcome)
+
+
+_channel: ControlChannel | None = None
+
+
+def setup(model: torch.nn.Module) -> ControlChannel:
+    """The process's control channel (made once) with ``model`` ready for paged steps; every rank
+    calls it at the same point, since both are collective."""
+    global _channel
+    size, world = model.tp_size, dist.get_world_size()
+    if size != world:
+        raise ValueError(
+            f"the paged engine runs tensor parallel over the whole world: tp_size={size}, world size {world}"
+        )
+    if _channel is None:
+        _channel = ControlChannel()
+    replicate_kv_heads(model)
+    return _channel
+
+
+def run_step(channel: ControlChannel, prepare: Callable[[], None], forward: Callable[[], T]) -> T:
+    """One step on every rank: ``prepare`` (rank-local, e.g. block copies), then ``forward`` (the
+    model, whose collectives pair up across ranks). If any rank raises in either part, every rank
+    raises (``RankError``, or rank 0's own exception). An exception raised on one rank only in the
+    middle of the forward's collectives can't be caught this way: the other ranks wait in the
+    collective (see docs/architecture.md, "Tensor parallelism")."""
+    channel.check(_attempt(prepare))
+    result: list[T] = []
+    channel.check(_attempt(lambda: result.append(forward())))
+    return result[0]
+
+
+def _attempt(fn: Callable[[], object]) -> Exception | None:
+    try:
+        fn()
+    except Exception as exc:  # reported to every rank by ControlChannel.check
+        return exc
+    return None
+
+
+# ----------------------------------------------------------------------------- K/V heads
+def kv_heads(model: torch.nn.Module) -> tuple[int, int]:
+    """(K/V heads of the model, K/V heads each rank holds): ``heads / tp`` when they divide, else 1
+    (each rank holds the one head its query heads read, see ``replicate_kv_heads``)."""
+    text = model.config.get_text_config()
+    total = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    size = getattr(model, "tp_size", None) or 1
+    return total, (total // size if total % size == 0 else 1)
+
+
+def replicate_kv_heads(model: torch.nn.Module) -> None:
+    """With fewer K/V heads than ranks, give each rank the K/V head its query heads read, as vLLM does.
+
+    ``tp_plan="auto"`` shards ``k_proj``/``v_proj`` column-wise, which splits a K/V head across ranks
+    when there are fewer heads than ranks (and the attention's reshape fails). Here each rank gathers
+    the full projection (a collective) and keeps the rows of head ``rank * heads // tp``: rank ``r``
+    holds query heads ``[r * H / tp, (r + 1) * H / tp)``, which all read that head when ``tp`` is a
+    multiple of the K/V heads. The projections become plain local layers. Idempotent."""
+    from torch.distributed.tensor import DTensor
+
+    if getattr(model, "_paged_kv_replicated", False):
+        return
+    text = model.config.get_text_config()
+    total, _ = kv_heads(model)
+    size, heads = model.tp_size, text.num_attention_heads
+    if total % size == 0:
+        model._paged_kv_replicated = True
+        return
+    if size % total or heads % size:
+        raise ValueError(
+            f"can't place {total} K/V heads and {heads} query heads on {size} ranks: the ranks must be a "
+            "multiple of the K/V heads and divide the query heads"
+        )
+    head = dist.get_rank() * total // size  # the K/V head this rank's query heads read
+    for module in model.modules():
+        k_proj, v_proj = getattr(module, "k_proj", None), getattr(module, "v_proj", None)
+        if not isinstance(getattr(module, "layer_idx", None), int) or k_proj is None or v_proj is None:
+            continue
+        head_dim = getattr(module, "head_dim", None) or text.hidden_size // heads
+        for proj in (k_proj, v_proj):
+            for name in ("weight", "bias"):
+                param = getattr(proj, name, None)
+                if param is None:
+                    continue
+                full = param.full_tensor() if isinstance(param, DTensor) else param  # [total * head_dim, ...]
+                local = full[head * head_dim : (head + 1) * head_dim].detach().clone()
+                setattr(proj, name, torch.nn.Parameter(local, requires_grad=False))
+            proj.out_features = head_dim
+            proj.__dict__.pop("forward", None)  # drop the column-wise hook: the output is this rank's head
+        module.num_key_value_groups = heads // size  # local query heads per local K/V head (eager/sdpa)
+    model._paged_kv_replicated = True
+
+
+def fitting_blocks(model: torch.nn.Module, config: PagedConfig) -> int:
+    """What this rank's memory holds, as the engine sizes it alone (``placement.fitting_blocks``),
+    but for the K/V heads this rank holds: the config's head count is the whole model's."""
+    total, local = kv_heads(model)
+    free = cache_module.free_memory_bytes  # looked up at call time: tests give ranks different memory
+    layers = LayerKinds.from_config(model.config, share_pages=config.hybrid_kv)  # one device per rank
+    return placement.fitting_blocks(model, config, layers, free_bytes=lambda device: free(device) * total // local)
+
+
+# ----------------------------------------------------------------------------- rank 0
+class TensorParallelEngine(ContinuousBatchingEngine):
+    """The engine on rank 0 of a tensor-parallel model; the other ranks call ``run_worker(model)``.
+
+    ``ContinuousBatchingEngine(model)`` builds one when ``model`` is tensor-parallel. Call
+    ``shutdown()`` (or use it as a context manager) when done: that ends the workers' loop.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: PagedConfig | None = None,
+        generation_config: Any = None,
+        num_blocks: int | None = None,
+    ) -> None:
+        channel = setup(model)
+        if channel.rank != 0:
+            raise ValueError(
+                f"this is rank {channel.rank}: the engine of a tensor-parallel model runs on rank 0; "
+                "call hf_paged_attn.parallel.run_worker(model) on the other ranks"
+            )
+        if channel.session is not None:
+            raise ValueError("another tensor-parallel engine is running: shut it down first (engine.shutdown())")
+        config = (config or PagedConfig()).for_model(model)
+        candidate = num_blocks or config.num_blocks or fitting_blocks(model, config)
+        channel.listening, channel.session = True, self
+        channel.send("hello", config)
+        self.channel = channel
+        self._copies: list[tuple[int, int]] = []
+        try:
+            super().__init__(model, config, generation_config, num_blocks=channel.agree_min(candidate))
+        except Exception:
+            channel.release()  # the workers must not wait for an engine that will never step
+            raise
+
+    def _run(self, plan: SchedulerOutput) -> list:
+        self._copies = plan.block_copies  # they travel with the step's message
+        return super()._run(plan)
+
+    def _forward(self, meta: StepMetadata) -> torch.Tensor:
+        if self.channel.session is not self:
+            raise RuntimeError("this tensor-parallel engine has been shut down")
+        self.channel.send("step", pack(meta), self._copies)
+        return run_step(self.channel, lambda: None, functools.partial(ContinuousBatchingEngine._forward, self, meta))
+
+    def shutdown(self) -> None:
+        """End the workers' loop (their ``run_worker`` returns). Idempotent."""
+        if self.channel.session is self:
+            self.channel.release()
+
+    def __enter__(self) -> TensorParallelEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+
+def pack(meta: StepMetadata) -> dict[str, Any]:
+    """The fields of ``meta`` a worker needs, tensors on the CPU (they pickle device-free); a hybrid
+    model's other attention groups (``other_groups``) travel with them."""
+    cpu = torch.device("cpu")
+    return {f.name: moved(getattr(meta, f.name), cpu) for f in dataclasses.fields(meta) if f.name not in _LOCAL_FIELDS}
+
+
+def unpack(fields: dict[str, Any], device: torch.device) -> StepMetadata:
+    return StepMetadata(**{name: moved(value, device) for name, value in fields.items()})
+
+
+def moved(value: Any, device: torch.device) -> Any:
+    """``value`` with every tensor in it on ``device``: tensors, lists and tuples of them, dataclasses."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (list, tuple)):
+        return type(value)(moved(v, device) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{f.name: moved(getattr(value, f.name), device)
+                                             for f in dataclasses.fields(value) if f.init})  # fmt: skip
+    return value
+
+
+# ----------------------------------------------------------------------------- other ranks
+@dataclasses.dataclass(slots=True)
+class WorkerReport:
+    """What a worker did in one ``run_worker`` call."""
+
+    num_blocks: int
+    num_steps: int = 0
+    num_failed_steps: int = 0
+    kv_bytes: int = 0  # bytes of this rank's K/V pages
+
+
+class _ForwardEngine(ContinuousBatchingEngine):
+    """A worker's engine: its cache, backend and ``_forward``; it never schedules."""
+
+
+def run_worker(model: torch.nn.Module) -> WorkerReport | None:
+    """Run rank 0's steps on this rank's shard until rank 0 shuts its engine down (every rank but 0
+    calls it once per engine of rank 0). Returns what this rank did, or None if rank 0 stopped
+    before building an engine."""
+    channel = setup(model)
+    if channel.rank == 0:
+        raise ValueError("run_worker runs on the ranks other than 0; rank 0 builds the engine")
+    message = channel.receive()
+    if message[0] == "stop":
+        channel.outcome = message[1]
+        return None
+    config: PagedConfig = message[1]
+    num_blocks = channel.agree_min(fitting_blocks(model, config))
+    engine = _ForwardEngine(model, config.replace(seed=0), num_blocks=num_blocks)  # seed: leave torch's RNG alone
+    report = WorkerReport(num_blocks)
+    with torch.inference_mode():
+        while (message := channel.receive())[0] == "step":
+            _, fields, copies = message
+            step: list[StepMetadata] = []
+
+            def prepare(fields: dict = fields, copies: list = copies, step: list = step) -> None:
+                engine.cache.copy_blocks(copies)
+                meta = unpack(fields, engine.device)
+                meta.backend = engine.backend
+                step.append(meta)
+
+            try:
+                run_step(channel, prepare, lambda step=step: engine._forward(step[0]))
+                report.num_steps += 1
+            except Exception:  # rank 0 fails the step's requests; the worker carries on
+                report.num_failed_steps += 1
+    channel.outcome = message[1]
+    report.kv_bytes = sum(
+        layer.keys.nbytes + layer.values.nbytes for layer in engine.cache.layers if layer.is_initialized
+    )
+    return report
+
+
+def serve_worker(model: torch.nn.Module) -> WorkerReport | None:
+    """``hf-paged-attn serve --tp-plan auto`` on a rank other than 0: rank 0's steps until its server
+    stops. SIGTERM and SIGINT, which torchrun (or a terminal) sends every rank, are ignored here:
+    rank 0 drains its requests first, and its engine's shutdown then ends this loop."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    return run_worker(model)
+
+
+# ----------------------------------------------------------------------------- every rank
+def on_driver(model: torch.nn.Module, fn: Callable[[], T]) -> T:
+    """``fn()`` for a model in one process. For a tensor-parallel model, every rank calls it with
+    the same ``fn``: rank 0 runs ``fn`` (its engines drive the others), the other ranks run its
+    forwards meanwhile, and every rank returns ``fn``'s result, or raises its exception."""
+    if not is_tensor_parallel(model):
+        return fn()
+    channel = setup(model)
+    if channel.rank != 0:
+        run_worker(model)
+        kind, value = channel.outcome or ("error", RuntimeError("rank 0 ended the engine without a result"))
+        if kind == "error":
+            raise value
+        return value
+    channel.listening = True
+    outcome: tuple[str, object] = ("error", RuntimeError("rank 0 was interrupted"))
+    try:
+        result = fn()
+        outcome = ("ok", result)
+        return result
+    except Exception as exc:
+        outcome = ("error", _picklable(exc))
+        raise
+    finally:
+        channel.release(outcome)
+
+
+def _picklable(exc: Exception) -> Exception:
+    """``exc``, or a RuntimeError with its text when it can't travel to the other ranks."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")

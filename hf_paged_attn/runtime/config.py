@@ -1,0 +1,130 @@
+"""PagedConfig: every knob of the paged cache and the continuous-batching engine, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from ..core.policy import POLICIES
+from ..kernels import BACKENDS, KERNELS, resolve_kernel
+
+
+@dataclass(slots=True)
+class PagedConfig:
+    """Configuration of the paged KV cache and the scheduler.
+
+    Attributes:
+        block_size: tokens per KV block (page). ``None`` (the default) picks by kernel and device:
+            256 for flash-attn (flash-attn 2 needs a multiple of 256), 16 for triton (its kernels'
+            minimum) and for torch on CUDA, 8 for torch on CPU (it halves the KV memory left
+            unfilled at the end of each request's last block at no measured speed cost;
+            benchmarks/README.md).
+        num_blocks: blocks per layer. ``None`` sizes the cache: ``model.generate`` sizes it to fit its
+            batch exactly; the engine otherwise takes ``memory_fraction`` of the free memory.
+        max_num_seqs: most requests running at once.
+        max_batch_tokens: token budget of one step (decode tokens plus prefill chunks).
+        kernel: ``"torch"``, ``"flash"``, ``"triton"`` or ``"auto"``: on CUDA flash-attn when it is
+            installed and the block size (None, or a multiple of 256) and dtype (fp16/bf16) suit
+            it, else triton on GPUs of compute capability 8.0 or newer (block size None or a power of two
+            >= 16); torch elsewhere.
+        enable_prefix_caching: share the KV blocks of identical prompt prefixes between requests.
+        memory_fraction: share of free device memory the cache may take when ``num_blocks`` is None.
+        progress_bar: show a tqdm bar; ``None`` shows it only in an interactive terminal and only
+            for more than a handful of requests.
+        seed: seed of the sampling generator; ``None`` draws it from torch's global RNG, so
+            ``torch.manual_seed`` makes sampled output reproducible as with ``generate``.
+        hybrid_kv: models that mix sliding-window and full-attention layers (Gemma 2/3, Cohere 2,
+            GPT-OSS, ...) give each attention group its own block tables, so sliding layers hold only
+            their window's blocks (``layers.py``); False keeps one table for every layer.
+        scheduling_policy: ``"fcfs"`` (first come, first served) or ``"priority"`` (lower
+            ``add_request(..., priority=)`` first, ties by arrival; the lowest priority is preempted
+            first). See ``policy.py``.
+        cuda_graphs: replay decode steps (every request feeds one token) from CUDA graphs captured
+            per batch-size bucket (``cuda_graphs.py``): the GPU no longer waits for Python to launch
+            every layer's kernels. ``None`` (the default): on for a model on one CUDA device with a
+            graph-safe kernel (triton, flash), off elsewhere; ``True`` where graphs can't run raises
+            ValueError; ``False``: every step runs eagerly. Tensor-parallel engines and models spread
+            over several devices always run eagerly.
+    """
+
+    block_size: int | None = None
+    num_blocks: int | None = None
+    max_num_seqs: int = 64
+    max_batch_tokens: int = 512
+    kernel: str = "auto"
+    enable_prefix_caching: bool = True
+    memory_fraction: float = 0.5
+    progress_bar: bool | None = None
+    seed: int | None = None
+    scheduling_policy: str = "fcfs"
+    hybrid_kv: bool = True
+    cuda_graphs: bool | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_batch_tokens"):
+            _require_positive_int(name, getattr(self, name))
+        for name in ("block_size", "num_blocks"):
+            if getattr(self, name) is not None:
+                _require_positive_int(name, getattr(self, name))
+        if not isinstance(self.hybrid_kv, bool):
+            raise ValueError(f"PagedConfig.hybrid_kv must be a bool, got {self.hybrid_kv!r}")
+        if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"PagedConfig.cuda_graphs must be None or a bool, got {self.cuda_graphs!r}")
+        if self.scheduling_policy not in POLICIES:
+            raise ValueError(
+                f"PagedConfig.scheduling_policy must be one of {tuple(POLICIES)}, got {self.scheduling_policy!r}"
+            )
+        if self.kernel not in KERNELS:
+            raise ValueError(f"PagedConfig.kernel must be one of {KERNELS}, got {self.kernel!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(
+                f"PagedConfig.enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}"
+            )
+        if isinstance(self.memory_fraction, bool) or not isinstance(self.memory_fraction, (int, float)) or not (
+            0.0 < self.memory_fraction <= 1.0
+        ):
+            raise ValueError(f"PagedConfig.memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
+        if self.progress_bar is not None and not isinstance(self.progress_bar, bool):
+            raise ValueError(f"PagedConfig.progress_bar must be None or a bool, got {self.progress_bar!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"PagedConfig.seed must be None or an int, got {self.seed!r}")
+
+    def for_model(self, model: torch.nn.Module) -> PagedConfig:
+        """``resolved`` for ``model``: its device, dtype and whether its attention has sinks."""
+        from .placement import kernel_device  # placement needs the cache, which needs the kernels
+
+        sinks = any(name.rsplit(".", 1)[-1] == "sinks" for name, _ in model.named_parameters())
+        return self.resolved(kernel_device(model), model.dtype, sinks)  # not model.device: "meta" when offloaded
+
+    def replace(self, **changes: object) -> PagedConfig:
+        """A copy with ``changes`` applied (and validated)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        unknown = set(changes) - set(values)
+        if unknown:
+            raise ValueError(f"PagedConfig has no field(s) {sorted(unknown)}")
+        values.update(changes)
+        return PagedConfig(**values)
+
+    def resolved(self, device: torch.device, dtype: torch.dtype | None = None, sinks: bool = False) -> PagedConfig:
+        """This config made concrete for a model on ``device`` in ``dtype`` (``sinks``: with attention
+        sinks): ``kernel="auto"`` becomes the backend that will run, then ``block_size=None`` that
+        backend's size, then ``cuda_graphs=None`` whether graphs can run."""
+        kernel = resolve_kernel(self.kernel, device, self.block_size, dtype, sinks)
+        backend = BACKENDS[kernel]
+        block_size = self.block_size or backend.default_block_size(device)
+        backend.check_block_size(block_size)
+        graphs_can_run = device.type == "cuda" and backend.graph_safe
+        if self.cuda_graphs and not graphs_can_run:
+            safe = [name for name, b in BACKENDS.items() if b.graph_safe]
+            raise ValueError(
+                f"PagedConfig.cuda_graphs=True needs a CUDA device and a graph-safe kernel {safe}; the model "
+                f"is on {device.type} with kernel={kernel!r}. Leave cuda_graphs=None to use graphs where they can run"
+            )
+        cuda_graphs = graphs_can_run if self.cuda_graphs is None else self.cuda_graphs
+        return self.replace(kernel=kernel, block_size=block_size, cuda_graphs=cuda_graphs)
+
+
+def _require_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"PagedConfig.{name} must be a positive int, got {value!r}")

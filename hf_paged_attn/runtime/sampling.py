@@ -1,0 +1,376 @@
+"""Sampling through transformers' own GenerationConfig, logits processors and stopping criteria.
+
+Each request carries ``SamplingParams``: its resolved generation config, the processor list that
+``generate`` itself would build, its stop tokens and stopping criteria. A step samples all rows at
+once where it can: plain greedy rows are one batched argmax, and requests with the same sampling
+settings (temperature, top-k, top-p, ... : processors that never read the ids) run their
+processors and draw on their stacked rows; a request whose processors read its history, or that
+has its own seed or records scores or log-probs, samples alone. ``sample_tokens`` changes no
+request: it returns what to record, and the engine records it only once the whole step's sampling
+has succeeded.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.logits_process import (
+    EpsilonLogitsWarper,
+    InfNanRemoveLogitsProcessor,
+    LogitNormalization,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+from transformers.generation.stopping_criteria import MaxTimeCriteria, StopStringCriteria
+
+from ..core.request import Request, TokenLogprob
+from .placement import input_device
+
+SUPPORTED_MODES = (
+    GenerationMode.GREEDY_SEARCH,
+    GenerationMode.SAMPLE,
+    GenerationMode.BEAM_SEARCH,
+    GenerationMode.BEAM_SAMPLE,
+)
+RUN_ANYWAY = (
+    "to run it anyway, switch to transformers' own attention for that call: "
+    'model.set_attn_implementation("sdpa"), generate, then model.set_attn_implementation("paged")'
+)
+
+# Options generate() knows that this engine cannot honour: refused by name, never silently ignored.
+UNSUPPORTED_OPTIONS = {
+    "force_words_ids": None,
+    "constraints": None,
+    "guidance_scale": (None, 1, 1.0),
+    "penalty_alpha": (None, 0, 0.0),
+    "dola_layers": None,
+    "prompt_lookup_num_tokens": None,
+    "assistant_early_exit": None,
+    "encoder_repetition_penalty": (None, 1, 1.0),
+    "encoder_no_repeat_ngram_size": (None, 0),
+    "diversity_penalty": (None, 0, 0.0),
+    "token_healing": (None, False),
+    "low_memory": (None, False),
+    "output_attentions": (None, False),
+    "output_hidden_states": (None, False),
+    "use_mtp": (None, False),
+}
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    generation_config: GenerationConfig
+    processors: LogitsProcessorList
+    do_sample: bool
+    eos_token_ids: frozenset[int]
+    stopping: StoppingCriteriaList | None = None  # stop strings, max_time, the caller's criteria
+    generator: torch.Generator | None = None  # the request's own (``seed=``); else the engine's
+    num_logprobs: int | None = None  # record log-probs with this many alternatives
+    output_scores: bool = False
+    output_logits: bool = False
+    prefix: list[int] = field(default_factory=list)  # generate's left padding: what processors see first
+    # Requests with equal keys are sampled together, their rows stacked (see ``batch_key``)
+    batch_key: tuple | None = None
+
+    @property
+    def needs_row_work(self) -> bool:
+        return (
+            bool(self.processors)
+            or self.do_sample
+            or self.output_scores
+            or self.output_logits
+            or self.num_logprobs is not None
+        )
+
+
+@dataclass(slots=True)
+class Sample:
+    """One request's draw: its token and what the request records with it."""
+
+    token: int
+    scores: torch.Tensor | None = None  # [vocab] processed scores, when output_scores
+    logits: torch.Tensor | None = None  # [vocab] raw logits, when output_logits
+    logprob: TokenLogprob | None = None
+
+
+def check_supported(config: GenerationConfig) -> None:
+    """Raise NotImplementedError naming any option this engine cannot honour."""
+    mode = config.get_generation_mode()
+    if mode not in SUPPORTED_MODES:
+        raise NotImplementedError(
+            f"generation mode {mode.value!r} (num_beams={config.num_beams}, do_sample={config.do_sample}) is not "
+            f"supported by the paged engine: greedy search, sampling, beam search and beam sampling are; {RUN_ANYWAY}"
+        )
+    for name, neutral in UNSUPPORTED_OPTIONS.items():
+        value = getattr(config, name, None)
+        allowed = neutral if isinstance(neutral, tuple) else (neutral,)
+        if value not in allowed:
+            raise NotImplementedError(
+                f"generation option {name}={value!r} is not supported by the paged engine; {RUN_ANYWAY}"
+            )
+
+
+def make_sampling_params(
+    model: torch.nn.Module,
+    config: GenerationConfig,
+    prompt_length: int,
+    extra_processors: LogitsProcessorList | None = None,
+    *,
+    stopping_criteria: StoppingCriteriaList | None = None,
+    tokenizer: object | None = None,
+    seed: int | None = None,
+    logprobs: int | None = None,
+    max_new_tokens: int | None = None,
+    prefix: list[int] | None = None,
+) -> SamplingParams:
+    """Resolve ``config`` as ``generate`` does and build its processors and criteria for one request.
+
+    ``prefix``: the left padding ``generate``'s batch put before this prompt; processors and
+    criteria see it, as they see the padded row in transformers (``min_length``, ``max_length``,
+    ``forced_eos_token_id``, n-gram and repetition processors count it).
+    """
+    config = copy.copy(config)  # its attributes are replaced below, never changed in place
+    check_supported(config)
+    prefix = list(prefix or [])
+    prompt_length += len(prefix)
+    if max_new_tokens is not None:  # the length limit processors such as forced_eos_token_id see
+        config.max_length = prompt_length + max_new_tokens
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
+        raise ValueError(f"logprobs must be None or an int >= 0, got {logprobs!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ValueError(f"seed must be None or an int, got {seed!r}")
+    device = input_device(model)  # where logits arrive; model.device is "meta" when accelerate offloads
+    model._prepare_special_tokens(config, True, device=device)
+    processors = model._get_logits_processor(
+        generation_config=config,
+        input_ids_seq_length=prompt_length,
+        logits_processor=extra_processors or LogitsProcessorList(),
+        device=device,
+        model_kwargs={"attention_mask": padding_mask(len(prefix), prompt_length, config)} if prefix else {},
+    )
+    eos = config._eos_token_tensor
+    eos_ids = frozenset(eos.flatten().tolist()) if eos is not None else frozenset()
+    generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    params = SamplingParams(
+        generation_config=config,
+        processors=processors,
+        do_sample=bool(config.do_sample),
+        eos_token_ids=eos_ids,
+        stopping=make_stopping_criteria(config, stopping_criteria, tokenizer),
+        generator=generator,
+        num_logprobs=logprobs,
+        output_scores=bool(config.return_dict_in_generate and config.output_scores),
+        output_logits=bool(config.return_dict_in_generate and config.output_logits),
+        prefix=prefix,
+    )
+    params.batch_key = batch_key(params)
+    return params
+
+
+# Processors that read the scores only, never the ids, and whose settings are plain numbers: rows
+# whose lists are equal can run them once, stacked, as transformers runs one list on its batch.
+ROW_FREE_PROCESSORS = (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    MinPLogitsWarper,
+    TypicalLogitsWarper,
+    EpsilonLogitsWarper,
+    LogitNormalization,
+    InfNanRemoveLogitsProcessor,
+)
+
+
+def batch_key(params: SamplingParams) -> tuple | None:
+    """What a request's sampling must share with others to be done on stacked rows: sampling or
+    not, and its processors with their settings. None when its rows need their own work: a processor
+    that reads the ids (repetition penalty, n-grams, min length, ...) or one of the caller's, its own
+    generator (``seed=``), or scores, logits or log-probs to record."""
+    if params.generator is not None or params.output_scores or params.output_logits or params.num_logprobs is not None:
+        return None
+    key: list = [params.do_sample]
+    for processor in params.processors:
+        settings = vars(processor)
+        if type(processor) not in ROW_FREE_PROCESSORS or not all(
+            isinstance(value, (bool, int, float, str, type(None))) for value in settings.values()
+        ):
+            return None
+        key.append((type(processor).__name__, tuple(sorted(settings.items()))))
+    return tuple(key)
+
+
+def padding_mask(num_padding: int, length: int, config: GenerationConfig) -> torch.Tensor:
+    """The attention mask the repetition penalty reads to skip generate's padding: one row per
+    sequence the processors see at once (a beam group's beams, else one). [rows, length]"""
+    rows = config.num_beams if (config.num_beams or 1) > 1 else 1
+    return torch.tensor([[0] * num_padding + [1] * (length - num_padding)] * rows)
+
+
+def make_stopping_criteria(
+    config: GenerationConfig, extra: StoppingCriteriaList | None, tokenizer: object | None
+) -> StoppingCriteriaList | None:
+    """The criteria ``generate`` would add beyond length and EOS (which the engine checks itself):
+    ``max_time``, ``stop_strings`` (they need the tokenizer) and the caller's own."""
+    criteria = StoppingCriteriaList()
+    if config.max_time is not None:
+        criteria.append(MaxTimeCriteria(max_time=config.max_time))
+    if config.stop_strings is not None:
+        if tokenizer is None:
+            raise ValueError(
+                f"stop_strings={config.stop_strings!r} needs the tokenizer: pass tokenizer= as with generate"
+            )
+        criteria.append(StopStringCriteria(stop_strings=config.stop_strings, tokenizer=tokenizer))
+    if extra:
+        criteria.extend(extra)
+    return criteria or None
+
+
+def should_stop(request: Request, scores: torch.Tensor | None) -> bool:
+    """Whether the request's stopping criteria say stop, after its newest token. Criteria see the
+    request's ids as a ``[1, seq]`` batch, as in ``generate`` with one prompt."""
+    stopping = request.sampling.stopping
+    if not stopping:
+        return False
+    history = torch.tensor([request.sampling.prefix + request.all_ids])  # [1, seq]
+    return bool(stopping(history, scores).any())
+
+
+def sample_rows(logits: torch.Tensor, requests: list[Request], generator: torch.Generator) -> list[Sample | Exception]:
+    """``sample_tokens``, where a request whose sampling raises (e.g. a custom logits processor) gets
+    the exception instead: the step then samples row by row so that the others go on."""
+    try:
+        return sample_tokens(logits, requests, generator)
+    except Exception:
+        return [sample_one(logits[row : row + 1], r, generator) for row, r in enumerate(requests)]
+
+
+def sample_one(logits: torch.Tensor, request: Request, generator: torch.Generator) -> Sample | Exception:
+    try:
+        return sample_tokens(logits, [request], generator)[0]
+    except Exception as exc:
+        return exc
+
+
+def sample_tokens(logits: torch.Tensor, requests: list[Request], generator: torch.Generator | None) -> list[Sample]:
+    """One sample per request. logits: [num_requests, vocab] float32, row i for requests[i].
+
+    Greedy rows are one batched argmax; rows whose sampling is the same (``batch_key``: e.g. every
+    request at temperature 0.8 and top-p 0.9) run their processors and draw together; the others
+    (processors that read the history, their own generator, scores or log-probs to record) one by one.
+    """
+    tokens = logits.argmax(dim=-1).tolist()  # greedy rows need nothing more
+    samples: list[Sample | None] = [None] * len(requests)
+    together: dict[tuple, list[int]] = {}
+    for row, request in enumerate(requests):
+        params: SamplingParams = request.sampling
+        if not params.needs_row_work:
+            samples[row] = Sample(tokens[row])
+        elif params.batch_key is not None:
+            together.setdefault(params.batch_key, []).append(row)
+        else:
+            samples[row] = _sample_row(logits[row : row + 1], request, generator)
+    for rows in together.values():
+        params = requests[rows[0]].sampling
+        scores, ids = stacked_scores(params.processors, logits[torch.tensor(rows, device=logits.device)])
+        if params.do_sample:
+            drawn = draw(torch.softmax(scores, dim=-1), generator)
+        else:
+            drawn = scores.argmax(dim=-1)
+        if ids is not None:  # positions among each row's top-k candidates -> token ids
+            drawn = ids.gather(1, drawn.view(-1, 1)).view(-1)
+        for row, token in zip(rows, drawn.tolist()):
+            samples[row] = Sample(token)
+    return samples
+
+
+# After a top-k (filter -inf), these only ever look at the kept candidates' probabilities
+_MASS_ONLY = (TopPLogitsWarper, MinPLogitsWarper, TypicalLogitsWarper, LogitNormalization)
+
+
+def stacked_scores(processors: LogitsProcessorList, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Row-free processors on stacked rows raw [R, vocab] -> (scores, ids). With a top-k whose
+    filter is -inf, preceded only by a temperature and followed only by processors that read the
+    kept candidates' probabilities (top-p, min-p, typical-p), everything outside each row's top k is
+    -inf whatever follows, so the processors after it run on the k candidates alone (top-p sorts k
+    scores instead of the vocabulary): scores [R, k] and ids [R, k] their token ids. Otherwise,
+    or if a row ties at its k-th score (top-k keeps every tie), scores [R, vocab] and ids None."""
+    cut = next((i for i, p in enumerate(processors) if isinstance(p, TopKLogitsWarper)), None)
+    ids = torch.empty(raw.shape[0], 0, dtype=torch.long, device=raw.device)  # the processors ignore the ids
+    if (
+        cut is None
+        or processors[cut].filter_value != float("-inf")
+        or not all(isinstance(p, TemperatureLogitsWarper) for p in processors[:cut])
+        or not all(isinstance(p, _MASS_ONLY) for p in processors[cut + 1 :])
+    ):
+        return processors(ids, raw), None
+    scores = raw
+    for processor in processors[:cut]:
+        scores = processor(ids, scores)
+    top_k = processors[cut]
+    k = min(max(top_k.top_k, top_k.min_tokens_to_keep), scores.shape[-1])
+    values, candidates = torch.topk(scores, k, dim=-1)  # [R, k] each
+    if bool(((scores >= values[:, -1:]).sum(dim=-1) > k).any()):  # a tie at the k-th score
+        return LogitsProcessorList(processors[cut:])(ids, scores), None
+    for processor in processors[cut + 1 :]:
+        values = processor(ids, values)
+    return values, candidates
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token id per row of ``probs`` [R, vocab], by inverse CDF: distributed as
+    ``torch.multinomial(probs, 1)``, which took 5.6 ms for 64 rows of 4,096 on CPU against ~0.5 ms.
+    A zero-probability token is never drawn (its step of the CDF is empty). Returns [R] int64."""
+    cdf = probs.cumsum(dim=-1)  # [R, vocab]
+    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=cdf.dtype) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).clamp_max(probs.shape[-1] - 1).view(-1)
+
+
+def _sample_row(raw: torch.Tensor, request: Request, generator: torch.Generator | None) -> Sample:
+    """One request's sample from its raw logits [1, vocab], through its own processors and history."""
+    params: SamplingParams = request.sampling
+    if params.processors:
+        history = torch.tensor([params.prefix + request.all_ids], device=raw.device)  # [1, seq]
+        scores = params.processors(history, raw.clone())
+    else:
+        scores = raw
+    if params.do_sample:
+        token = int(draw(torch.softmax(scores, dim=-1), params.generator or generator))
+    else:
+        token = int(scores.argmax(dim=-1))
+    return Sample(
+        token,
+        scores=scores[0].cpu() if params.output_scores else None,
+        logits=raw[0].cpu() if params.output_logits else None,
+        logprob=token_logprob(scores[0], token, params.num_logprobs),
+    )
+
+
+def token_logprob(scores: torch.Tensor, token: int, k: int | None) -> TokenLogprob | None:
+    """``token``'s log-probability under ``scores`` [vocab] and the ``k`` best alternatives."""
+    if k is None:
+        return None
+    logprobs = torch.log_softmax(scores.float(), dim=-1)  # [vocab]; -inf where processors masked
+    top = []
+    if k:
+        values, ids = logprobs.topk(min(k, logprobs.numel()))
+        top = list(zip(ids.tolist(), values.tolist()))
+    return TokenLogprob(token, float(logprobs[token]), top)
+
+
+def resolve_max_new_tokens(config: GenerationConfig, prompt_length: int, value: int | None) -> int:
+    """``value``, else the config's ``max_new_tokens``, else what its ``max_length`` leaves (20 as
+    transformers' default); ValueError unless it is a positive int."""
+    if value is None:
+        value = config.max_new_tokens
+        if value is None:
+            value = max(config.max_length - prompt_length, 0) if config.max_length else 20
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"max_new_tokens must be a positive int, got {value!r}")
+    return value
