@@ -1,4 +1,4 @@
-"""Test-session setup shared by tests/ and integration_tests/."""
+"""Test-session setup."""
 
 import os
 

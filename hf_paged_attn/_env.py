@@ -19,7 +19,9 @@ from collections.abc import MutableMapping, Sequence
 from pathlib import PurePath
 
 CLI_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
-ENTRY_MODULES = frozenset({"hf_paged_attn.cli", "hf_paged_attn.demo", "hf_paged_attn.serve", "hf_paged_attn_tools.bench"})
+ENTRY_MODULES = frozenset(
+    {"hf_paged_attn.cli", "hf_paged_attn.demo", "hf_paged_attn.serve", "hf_paged_attn_tools.bench"}
+)
 SCRIPT = "hf-paged-attn"
 _OPTIONS_WITH_VALUE = ("-W", "-X")  # interpreter options whose value may be the next argument
 

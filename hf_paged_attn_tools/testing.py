@@ -116,3 +116,17 @@ def shuffled_block_table(
         table[b, :n] = order[used : used + n]
         used += n
     return table, num_blocks
+
+
+VOCAB = 256  # tiny_llama_config's vocabulary
+
+
+def ragged_prompts(num: int, low: int, high: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high + 1, (num,), generator=gen).tolist()
+    return [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+def reference_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt) :].tolist()

@@ -526,13 +526,13 @@ def check_cascade(directory: str | None) -> None:
         from transformers import AutoModelForCausalLM
 
         from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
-        from hf_paged_attn.kernels import torch_backend
+        from hf_paged_attn.kernels.torch_backend import decode as torch_decode
 
         if directory is None:
             raise RuntimeError("the tiny model could not be built (see above)")
         calls = []
-        cascade = torch_backend._decode_cascade
-        torch_backend._decode_cascade = lambda *a, **k: calls.append(1) or cascade(*a, **k)
+        cascade = torch_decode._decode_cascade
+        torch_decode._decode_cascade = lambda *a, **k: calls.append(1) or cascade(*a, **k)
         try:
             ref = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="sdpa").cuda().eval()
             paged = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="paged").cuda().eval()
@@ -545,7 +545,7 @@ def check_cascade(directory: str | None) -> None:
             engine.generate([prefix + [1]], max_new_tokens=2)  # caches the prefix blocks
             outs = engine.generate(prompts, max_new_tokens=NEW_TOKENS)
         finally:
-            torch_backend._decode_cascade = cascade
+            torch_decode._decode_cascade = cascade
         if not calls:
             raise AssertionError("the cascade path never ran")
         compared = 0

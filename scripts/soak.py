@@ -34,7 +34,7 @@ import hf_paged_attn  # noqa: F401  (registers attn_implementation="paged")
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
 from hf_paged_attn.core.blocks import blocks_for
 from hf_paged_attn.core.request import RequestOutput
-from hf_paged_attn.kernels import torch_backend
+from hf_paged_attn.kernels.torch_backend import decode as torch_decode
 from hf_paged_attn_tools.testing import compare_greedy, load_pair, save_random_model, tiny_llama_config
 
 VOCAB = 256
@@ -125,15 +125,15 @@ def run_soak(config: SoakConfig | None = None) -> SoakReport:
     for this tiny model, and many times faster than the default on a loaded machine.
     """
     config = config or SoakConfig()
-    previous_threads, previous_cascade = torch.get_num_threads(), torch_backend.CASCADE_MIN_TOKENS
+    previous_threads, previous_cascade = torch.get_num_threads(), torch_decode.CASCADE_MIN_TOKENS
     if config.threads:
         torch.set_num_threads(config.threads)
-    torch_backend.CASCADE_MIN_TOKENS = config.cascade_min_tokens  # shared heads decode through the cascade
+    torch_decode.CASCADE_MIN_TOKENS = config.cascade_min_tokens  # shared heads decode through the cascade
     try:
         return _soak(config)
     finally:
         torch.set_num_threads(previous_threads)
-        torch_backend.CASCADE_MIN_TOKENS = previous_cascade
+        torch_decode.CASCADE_MIN_TOKENS = previous_cascade
 
 
 def _soak(c: SoakConfig) -> SoakReport:

@@ -84,7 +84,7 @@ def main() -> int:
     try:
         driver.set_active(_Driver())
         JITFunction.__getitem__ = _compile_instead_of_launch
-        from hf_paged_attn.kernels import triton_backend as tb
+        from hf_paged_attn.kernels import triton_ops as tb
 
         tb._num_sms = lambda device: 132  # an H100/H200's split-K choices
     except Exception as exc:

@@ -26,11 +26,11 @@ ALLOWED: dict[str, set[str]] = {
     "runtime": {"core", "attention", "kernels", "transformers_private"},
     "parallel": {"runtime", "core", "attention", "kernels"},
     "integration": {"runtime", "parallel", "core", "attention", "kernels", "transformers_private"},
-    "serve": {"public"},
-    "demo": {"public"},
+    "serve": {"public", "parallel"},  # parallel: ``hf-paged-attn serve --tp-plan auto``'s other ranks
+    "demo": {"public", "_env"},
     "distributed": {"parallel"},  # the 0.1 name of hf_paged_attn.parallel, kept for old code
     "_env": set(),
-    "cli": {"_env", "serve", "demo", "tools"},  # bench is a thin entry point into hf_paged_attn_tools
+    "cli": {"public", "_env", "serve", "demo", "tools"},  # bench is a thin entry point into hf_paged_attn_tools
     "public": {"*"},  # hf_paged_attn/__init__.py: the public names
 }
 # What each layer may import from outside the package (None: anything).
@@ -50,6 +50,8 @@ def layer_of(module: str) -> str:
 
 
 def module_name(path: Path) -> str:
+    if not path.is_relative_to(ROOT):
+        return path.stem
     parts = path.relative_to(ROOT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
@@ -62,9 +64,10 @@ def _type_checking_block(node: ast.AST) -> bool:
     )
 
 
-def imports_of(path: Path) -> set[str]:
+def imports_of(path: Path, modules: set[str] | frozenset[str] = frozenset()) -> set[str]:
     """Every module ``path`` imports, at any depth (functions included), resolved to absolute names;
-    ``from X import name`` yields both ``X`` and ``X.name`` (name may be a module)."""
+    ``from X import name`` yields ``X.name`` (name may be a module) and ``X`` unless a name is one
+    of ``modules``."""
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
@@ -80,8 +83,10 @@ def imports_of(path: Path) -> set[str]:
                 anchor = package.split(".")
                 anchor = anchor[: len(anchor) - node.level + 1]
                 base = ".".join([*anchor, base] if base else anchor)
-            found.add(base)
-            found.update(f"{base}.{alias.name}" for alias in node.names)
+            names = {f"{base}.{alias.name}" for alias in node.names}
+            found.update(names)
+            if not names & modules:  # ``from pkg import submodule`` depends on the submodule, not on pkg
+                found.add(base)
         elif isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         for child in ast.iter_child_nodes(node):
@@ -99,7 +104,7 @@ def internal_graph() -> dict[str, set[str]]:
     modules = package_modules()
     graph = {}
     for name, path in modules.items():
-        deps = {m for m in imports_of(path) if m in modules and m != name}
+        deps = {m for m in imports_of(path, set(modules)) if m in modules and m != name}
         # a package's __init__ importing its own submodules is not a dependency worth naming
         graph[name] = {m for m in deps if not m.startswith(name + ".")}
     return graph
@@ -204,7 +209,7 @@ def private_uses(path: Path, private: set[str]) -> list[str]:
             owner = node.value
             if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
                 continue
-            uses.append(f"{path.relative_to(ROOT)}:{node.lineno} .{node.attr}")
+            uses.append(f"{path.name}:{node.lineno} .{node.attr}")
     return uses
 
 
@@ -223,7 +228,7 @@ def test_the_rules_can_fail(tmp_path):
     assert not imports_of(a)
     assert find_cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
     a.write_text("config._eos_token_tensor\nself._eos_token_tensor\n")
-    assert private_uses(a, {"_eos_token_tensor"}) == [f"{a.relative_to(ROOT) if a.is_relative_to(ROOT) else a}:1 ._eos_token_tensor"] or len(private_uses(a, {"_eos_token_tensor"})) == 1
+    assert len(private_uses(a, {"_eos_token_tensor"})) == 1
 
 
 def test_tests_are_laid_out_like_the_package():

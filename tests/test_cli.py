@@ -22,7 +22,10 @@ PY = "/venv/bin/python"
     ("orig_argv", "expected"),
     [
         ([PY, "-m", "hf_paged_attn.demo"], "-m hf_paged_attn.demo"),
-        ([PY, "-X", "importtime", "-W", "ignore", "-m", "hf_paged_attn_tools.bench", "--smoke"], "-m hf_paged_attn_tools.bench"),
+        (
+            [PY, "-X", "importtime", "-W", "ignore", "-m", "hf_paged_attn_tools.bench", "--smoke"],
+            "-m hf_paged_attn_tools.bench",
+        ),
         ([PY, "-Ximporttime", "-Bmhf_paged_attn.cli", "demo"], "-m hf_paged_attn.cli"),
         ([PY, "-I", "/venv/bin/hf-paged-attn", "demo"], "/venv/bin/hf-paged-attn"),
         ([PY, "-c", "import hf_paged_attn", "-m", "hf_paged_attn.demo"], None),

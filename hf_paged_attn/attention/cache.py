@@ -2,8 +2,9 @@
 
 Each layer owns two page tensors ``[num_blocks, block_size, num_kv_heads, head_dim]``, created
 lazily at the layer's first write so that models whose layers differ in head count or head dim get
-pages of the right shape per layer. One block id means the same block in every layer, so a single
-allocator and a single block table serve the whole model.
+pages of the right shape per layer. One block id means the same block in every layer of an
+attention group, so one allocator serves the whole model (``core/layers.py`` for hybrid models,
+whose groups share page tensors).
 """
 
 from __future__ import annotations
@@ -18,17 +19,11 @@ from transformers import Cache, PreTrainedConfig
 from transformers.cache_utils import CacheLayerMixin
 
 from ..core.layers import LayerKinds
-from .step import StepMetadata
+from .forward import ForwardContext
 
-# The step running in this thread, for the attention function of models whose decoder layers don't
-# forward **kwargs (Nemotron), so that the ``paged_metadata`` forward kwarg never reaches it.
-ACTIVE_STEP: contextvars.ContextVar[StepMetadata | None] = contextvars.ContextVar("paged_step", default=None)
-
-
-def prefills_from_pages(backend: object) -> bool:
-    """Whether ``backend``'s varlen path reads K/V straight from the pages (``PREFILL_FROM_PAGES``,
-    see ``hf_paged_attn.kernels``): then the cache writes the step's K/V and gathers nothing."""
-    return getattr(backend, "PREFILL_FROM_PAGES", False)
+# The forward running in this thread, for the attention function of models whose decoder layers
+# don't forward **kwargs (Nemotron), so that the ``paged_forward`` forward kwarg never reaches it.
+ACTIVE_FORWARD: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("paged_forward", default=None)
 
 
 def pad_head_dim(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -85,17 +80,6 @@ class PagedLayer(CacheLayerMixin):
     def width(self) -> int:
         return self.keys.shape[-1]
 
-    def write(self, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
-        """key/value: [N, num_kv_heads, head_dim] written at flat slots [N]."""
-        self.keys.view(-1, *self.keys.shape[2:]).index_copy_(0, slots, pad_head_dim(key, self.width))
-        self.values.view(-1, *self.values.shape[2:]).index_copy_(0, slots, pad_head_dim(value, self.width))
-
-    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The K/V at flat ``slots`` [K], packed: [K, num_kv_heads, key_dim] and [K, num_kv_heads, value_dim]."""
-        keys = self.keys.view(-1, *self.keys.shape[2:]).index_select(0, slots)
-        values = self.values.view(-1, *self.values.shape[2:]).index_select(0, slots)
-        return keys[..., : self.key_dim], values[..., : self.value_dim]
-
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         raise RuntimeError("PagedLayer is written through PagedAttentionCache.update")
 
@@ -114,12 +98,10 @@ class PagedLayer(CacheLayerMixin):
 class PagedAttentionCache(Cache):
     """A ``transformers.Cache`` whose layers are paged.
 
-    The engine opens a step with ``with cache.step(metadata): model(...)``; inside it, ``update``
-    writes the step's new K/V through ``metadata.slot_mapping`` and, on the varlen path, returns each
-    request's full K/V packed along one axis for the kernel, unless the backend prefills from the
-    pages (``prefills_from_pages``): then it writes them with the backend's ``write_kv`` and returns
-    them untouched. On the decode path it returns the new K/V untouched: the paged decode kernel
-    appends them in place.
+    An executor opens each forward with ``with cache.forward(context): model(...)``; inside it,
+    ``update`` writes a prefill step's new K/V into their pages with the backend's ``write_kv`` (the
+    kernels then read every key from the pages) and returns K/V untouched; on the decode path it
+    writes nothing: the paged decode kernel appends the new K/V in place.
     """
 
     def __init__(
@@ -138,56 +120,48 @@ class PagedAttentionCache(Cache):
         )  # fmt: skip
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.metadata: StepMetadata | None = None
+        self.context: ForwardContext | None = None
         self._slot_owner: dict[int, PagedLayer] = {}
 
     @contextlib.contextmanager
-    def step(self, metadata: StepMetadata) -> Iterator[StepMetadata]:
-        self.metadata = metadata
-        token = ACTIVE_STEP.set(metadata)
+    def forward(self, context: ForwardContext) -> Iterator[ForwardContext]:
+        """The model calls inside read and write the pages for ``context``'s step."""
+        self.context = context
+        token = ACTIVE_FORWARD.set(context)
         try:
-            yield metadata
+            yield context
         finally:
-            ACTIVE_STEP.reset(token)
-            self.metadata = None
+            ACTIVE_FORWARD.reset(token)
+            self.context = None
             for layer in self.layers:
                 layer.returned = None
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """key_states/value_states: [1, num_kv_heads, N, head_dim] -> the K/V the kernel reads."""
-        meta = self.metadata
-        if meta is None:
+        """key_states/value_states: [1, num_kv_heads, N, head_dim], returned as they are (the kernels
+        read the pages); a prefill step's are written into the pages first."""
+        context = self.context
+        if context is None:
             raise RuntimeError(
                 "PagedAttentionCache.update was called outside an engine step; run generation through "
                 "model.generate or ContinuousBatchingEngine, or call the model without this cache"
             )
-        meta = meta.on(key_states.device)  # a layer placed on another device reads its own copy
         layer = self.layers[layer_idx]
         if not layer.is_initialized:
             self._initialize(layer, key_states, value_states)
-        if not meta.is_decode:
+        if not context.step.is_decode:
             assert key_states.shape[0] == 1, f"paged steps pack every request in batch row 0, got {key_states.shape}"
-            tables = meta.for_group(layer.group)  # this layer's block ids
+            inputs = context.inputs(layer.group, key_states.device)  # this layer's block ids, where it runs
             new_keys, new_values = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)  # [N, H_kv, D]
-            if prefills_from_pages(meta.backend):
-                # The kernel reads every key from the pages: write the new ones, return K/V untouched
-                # (as on the decode path) so the attention call still passes check_attention_call.
-                width = layer.width
-                meta.backend.write_kv(
-                    pad_head_dim(new_keys, width), pad_head_dim(new_values, width),
-                    layer.keys, layer.values, tables.slot_mapping,
-                )  # fmt: skip
-            else:
-                layer.write(new_keys, new_values, tables.slot_mapping)
-                keys, values = layer.gather(tables.gather_slots)  # [K, H_kv, D] each
-                key_states = keys.transpose(0, 1).unsqueeze(0)  # [1, H_kv, K, D]
-                value_states = values.transpose(0, 1).unsqueeze(0)
+            context.backend.write_kv(
+                pad_head_dim(new_keys, layer.width), pad_head_dim(new_values, layer.width),
+                layer.keys, layer.values, inputs.slot_mapping,
+            )  # fmt: skip
         layer.returned = (weakref.ref(key_states), weakref.ref(value_states))
         # The attention call that follows reads this layer's pages. Not through the module's
         # layer_idx, which some models offset (HRM reuses layers across recurrent cycles).
-        meta.last_layer = layer
+        context.last_layer = layer
         return key_states, value_states
 
     def _initialize(self, layer: PagedLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -222,26 +196,3 @@ class PagedAttentionCache(Cache):
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         return 0, 0
-
-
-def bytes_per_block(
-    config: PreTrainedConfig, block_size: int, dtype: torch.dtype, num_layers: int | None = None
-) -> int:
-    """K and V bytes of one block across the ``num_layers`` layers one block id spans (default:
-    all; a hybrid model's ``LayerKinds.num_slots``), from the config: pages are made lazily."""
-    text = config.get_text_config()
-    num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * (num_layers or text.num_hidden_layers) * block_size * num_kv_heads * head_dim * element
-
-
-def free_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 4 << 30  # no /proc (macOS, Windows): assume 4 GiB rather than fail

@@ -16,7 +16,7 @@ from transformers import PreTrainedConfig
 
 if TYPE_CHECKING:
     from .cache import PagedLayer
-    from .step import StepMetadata
+    from .forward import ForwardContext
 
 SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
@@ -92,7 +92,7 @@ def check_attention_call(
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    meta: StepMetadata,
+    context: ForwardContext,
 ) -> PagedLayer:
     """Guards of one paged attention call (identity checks, no device sync); returns the cache layer
     whose K/V the call attends over: the one ``PagedAttentionCache.update`` wrote last."""
@@ -101,7 +101,7 @@ def check_attention_call(
         # inside a step the "paged" mask function returns None, so this mask was built by the model
         reason = "it passes its own attention mask or bias, which the paged kernels can't apply"
         raise unsupported(config, type(module).__name__, reason)
-    layer = meta.last_layer
+    layer = context.last_layer
     returned = layer.returned if layer is not None else None
     if returned is None or key is not returned[0]() or value is not returned[1]():
         reason = "its attention does not use the K/V that PagedAttentionCache.update returned (it skips the cache "

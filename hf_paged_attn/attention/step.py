@@ -1,16 +1,16 @@
-"""Step builder: the one place where a step's tensors are made, once per step, never per layer.
+"""The step description: what one engine step feeds the model, built once per step, never per layer.
 
 A step packs every scheduled request's new tokens along one axis (batch size 1 for the model).
-The metadata built here travels to the attention function as the ``paged_metadata`` forward kwarg
-and to ``PagedAttentionCache.update`` through the cache; nothing downstream recomputes it.
+``StepMetadata`` is a plain, frozen record of tensors and numbers: the executor runs the model on
+it, the tensor-parallel driver sends it whole to the other ranks, a CUDA graph copies it into its
+buffers. What a forward computes for itself while it runs (per-device copies, per-group views, the
+kernels' plans) lives apart, in ``forward.ForwardContext``, so nothing here is ever cleared,
+excluded from a broadcast or shared between forwards.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
-from types import ModuleType
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
@@ -18,85 +18,56 @@ from ..core.layers import LayerKinds
 from ..core.scheduler import ScheduledRequest
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class GroupTables:
-    """One attention group's part of a step: what differs between groups of a hybrid model."""
+    """One attention group's part of a step: what differs between the groups of a hybrid model."""
 
     block_table: torch.Tensor  # [B, max_blocks_per_seq] int32, -1 for unallocated or released
-    slot_mapping: torch.Tensor  # [N] int64
-    gather_slots: torch.Tensor | None  # [K] int64, varlen path of a backend that gathers; else None
-    cu_seq_lens_k: torch.Tensor  # [B + 1] int32
+    slot_mapping: torch.Tensor  # [N] int64, flat cache slot of every new token
+    cu_seq_lens_k: torch.Tensor  # [B + 1] int32, keys each request's queries see (a window cuts the oldest)
     max_length_k: int
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(frozen=True, slots=True, eq=False)
 class StepMetadata:
-    """Everything the attention function and the cache need for one step.
+    """Everything the model's forward, the cache and the attention function read for one step.
 
-    Shapes use N = number of packed new tokens, B = number of requests, K = sum of key lengths.
+    Shapes use N = number of packed new tokens, B = number of requests. ``groups[0]`` is attention
+    group 0's tables (every model has it); hybrid models (``core/layers.py``) have more.
     """
 
     input_ids: torch.Tensor  # [1, N] int64
     position_ids: torch.Tensor  # [1, N] int64, per-request positions
     cu_seq_lens_q: torch.Tensor  # [B + 1] int32
-    cu_seq_lens_k: torch.Tensor  # [B + 1] int32, keys = cached + new tokens
     max_length_q: int
-    max_length_k: int
-    slot_mapping: torch.Tensor  # [N] int64, flat cache slot of every new token
-    gather_slots: torch.Tensor | None  # [K] int64 slots of every key, packed: varlen path of a backend that gathers
-    block_table: torch.Tensor  # [B, max_blocks_per_seq] int32, -1 for unallocated
     cache_seqlens: torch.Tensor  # [B] int32, tokens cached before this step
+    seqused_k: torch.Tensor  # [B] int32, cached + new tokens: the keys request b attends from its first
     logits_indices: torch.Tensor  # [num_sampled] int64, rows of the packed batch that are sampled
     is_decode: bool  # every request feeds exactly one token: the paged decode kernel runs
-    backend: ModuleType | None = None
-    # The cache.PagedLayer that PagedAttentionCache.update wrote last: the attention call that
-    # follows attends over its pages (set by the cache during the forward).
-    last_layer: Any = None
-    # This step's metadata per device, shared by every copy (see ``on``)
-    copies: dict[torch.device, StepMetadata] = field(default_factory=dict, repr=False)
-    # Attention groups 1, 2, ... of a hybrid model (layers.py): their own tables (see ``for_group``)
-    other_groups: list[GroupTables] = field(default_factory=list, repr=False)
-    group_views: dict[int, StepMetadata] = field(default_factory=dict, repr=False)
-    # Layer-independent work a kernel backend keeps for the step (torch backend: gather plans and
-    # buffers); one per group view and device copy, since their tables differ
-    memo: dict = field(default_factory=dict, repr=False)
+    groups: tuple[GroupTables, ...]
+    block_copies: tuple[tuple[int, int], ...] = ()  # copy on write before the forward: (src, dst) blocks
+    has_beams: bool = False  # a beam search's beams are among the requests
 
-    def for_group(self, group: int) -> StepMetadata:
-        """This step as the layers of attention ``group`` see it: their block tables, cache slots
-        and key lengths (group 0's are this object's own); made once per step and group."""
-        if group == 0:
-            return self
-        view = self.group_views.get(group)
-        if view is None:
-            tables = self.other_groups[group - 1]
-            view = dataclasses.replace(
-                self, **_shallow(tables), other_groups=[], group_views={}, copies={}, memo={}
-            )
-            self.group_views[group] = view
-        return view
+    # group 0's tables under the names of the spec (cu_seq_lens_k, max_length_k, block_table, ...)
+    @property
+    def block_table(self) -> torch.Tensor:
+        return self.groups[0].block_table
 
-    def on(self, device: torch.device) -> StepMetadata:
-        """This metadata with its tensors on ``device``, moved at most once per step and device: the
-        layers of a model that accelerate spreads over devices each read it where they run. Not
-        named ``to``: accelerate's hooks would call that on every hooked module."""
-        if self.input_ids.device == device:
-            return self
-        self.copies.setdefault(self.input_ids.device, self)  # so that a copy finds its way back
-        copy = self.copies.get(device)
-        if copy is None:  # tiny tensors; a blocking copy keeps device-to-host moves safe
-            moved = {
-                f.name: value.to(device)
-                for f in dataclasses.fields(self)
-                if isinstance(value := getattr(self, f.name), torch.Tensor)
-            }
-            copy = dataclasses.replace(self, **moved, group_views={}, memo={})  # shares ``copies``
-            self.copies[device] = copy
-        return copy
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        return self.groups[0].slot_mapping
 
+    @property
+    def cu_seq_lens_k(self) -> torch.Tensor:
+        return self.groups[0].cu_seq_lens_k
 
-def _shallow(tables: GroupTables) -> dict:
-    """``tables``' fields by name, the tensors themselves (``dataclasses.asdict`` would copy them)."""
-    return {f.name: getattr(tables, f.name) for f in dataclasses.fields(tables)}
+    @property
+    def max_length_k(self) -> int:
+        return self.groups[0].max_length_k
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[1]
 
 
 def cumulative(lengths: list[int], device: torch.device) -> torch.Tensor:
@@ -125,13 +96,12 @@ def build_step(
     device: torch.device,
     layers: LayerKinds | None = None,
     sampled: list[bool] | None = None,
-    backend: ModuleType | None = None,
+    block_copies: list[tuple[int, int]] | tuple[tuple[int, int], ...] = (),
 ) -> StepMetadata:
-    """Tensors of one step. ``sampled[i]`` says whether request i's last new token is sampled
-    (default: when its chunk reaches the end of its known tokens). Each attention group gets its
-    own tables (``layers.groups``; one group unless the model mixes sliding and full layers).
-    ``backend``: the kernel backend the step runs on; the slots of every key to gather on the
-    varlen path are made only for one that does not read the pages itself (``PREFILL_FROM_PAGES``)."""
+    """The description of one step. ``sampled[i]`` says whether request i's last new token is
+    sampled (default: when its chunk reaches the end of its known tokens). Each attention group gets
+    its own tables (``layers.groups``; one group unless the model mixes sliding and full layers).
+    ``block_copies``: the scheduler's copy-on-write pairs, carried out before the forward."""
     q_lens = [s.num_new_tokens for s in scheduled]
     starts = [s.request.num_computed_tokens for s in scheduled]
     if sampled is None:
@@ -151,11 +121,10 @@ def build_step(
         # position of every new token inside its own request
         positions = torch.arange(len(token_ids)) - cu_q[:-1].long()[rows_q] + torch.tensor(starts)[rows_q]
     windows = [g.window for g in layers.groups] if layers is not None and layers.groups else [None]
-    gather = not is_decode and not getattr(backend, "PREFILL_FROM_PAGES", False)
-    groups = [
-        _group_tables(scheduled, g, window, starts, q_lens, rows_q, positions, block_size, device, gather)
+    groups = tuple(
+        _group_tables(scheduled, g, window, starts, q_lens, rows_q, positions, block_size, device)
         for g, window in enumerate(windows)
-    ]
+    )
     if all(sampled):
         logits_indices = cu_q[1:].long() - 1
     else:
@@ -165,12 +134,13 @@ def build_step(
         position_ids=positions.unsqueeze(0).to(device),
         cu_seq_lens_q=cu_q.to(device),
         max_length_q=max(q_lens),
-        **_shallow(groups[0]),
         cache_seqlens=torch.tensor(starts, dtype=torch.int32, device=device),
+        seqused_k=torch.tensor([a + n for a, n in zip(starts, q_lens)], dtype=torch.int32, device=device),
         logits_indices=logits_indices.to(device),
         is_decode=is_decode,
-        backend=backend,
-        other_groups=groups[1:],
+        groups=groups,
+        block_copies=tuple(block_copies),
+        has_beams=any(s.request.group is not None for s in scheduled),
     )
 
 
@@ -184,26 +154,18 @@ def _group_tables(
     positions: torch.Tensor,
     block_size: int,
     device: torch.device,
-    gather: bool,
 ) -> GroupTables:
-    """One group's tables. A sliding group's varlen keys start at the first one the request's
-    first query can see (older blocks may already be freed); the causal mask is bottom-right
-    aligned, so dropping invisible leading keys changes nothing."""
+    """One group's tables. A sliding group's keys start at the first one the request's first query
+    can see (older blocks may already be freed); the causal mask is bottom-right aligned, so
+    dropping invisible leading keys changes nothing."""
     tables = [s.request.block_tables[group] for s in scheduled]
     width = max(map(len, tables))
     table = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)  # [B, width]
     key_starts = [max(start - window + 1, 0) if window else 0 for start in starts]
     k_lens = [start + n - first for start, n, first in zip(starts, q_lens, key_starts)]
-    gather_slots = None
-    if gather:  # the slots of every key, packed, for a backend whose varlen path gathers
-        rows_k = torch.repeat_interleave(torch.arange(len(scheduled)), torch.tensor(k_lens))  # [K]
-        cu_k_cpu = cumulative(k_lens, torch.device("cpu"))
-        key_pos = torch.arange(int(cu_k_cpu[-1])) - cu_k_cpu[:-1].long()[rows_k] + torch.tensor(key_starts)[rows_k]
-        gather_slots = slots_of(table, rows_k, key_pos, block_size).to(device)
     return GroupTables(
         block_table=table.to(device),
         slot_mapping=slots_of(table, rows_q, positions, block_size).to(device),
-        gather_slots=gather_slots,
         cu_seq_lens_k=cumulative(k_lens, device),
         max_length_k=max(k_lens),
     )

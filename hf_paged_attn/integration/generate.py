@@ -8,12 +8,13 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.utils import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 
-from ..core.kv_manager import blocks_at_peak
+from .. import transformers_private as hf
 from ..core.layers import LayerKinds
 from ..core.request import RequestOutput
 from ..parallel.tensor_parallel import is_driver, on_driver
 from ..runtime.config import PagedConfig
 from ..runtime.engine import ContinuousBatchingEngine
+from ..runtime.memory import blocks_for_batch
 from ..runtime.placement import input_device
 from ..runtime.sampling import RUN_ANYWAY
 
@@ -47,7 +48,7 @@ def paged_generate(
     has_default_max_length = kwargs.get("max_length") is None and (
         generation_config is None or generation_config.max_length is None
     )
-    config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
+    config, model_kwargs = hf.prepare_generation_config(model, generation_config, **kwargs)
     input_ids = inputs if inputs is not None else model_kwargs.pop("input_ids", None)
     if input_ids is None:
         raise ValueError("paged generate needs input_ids (a [batch, seq] tensor of token ids)")
@@ -72,17 +73,11 @@ def paged_generate(
             f"{input_ids.shape[0]} with num_return_sequences={num_sequences}"
         )
 
-    config = model._prepare_generated_length(
-        generation_config=config,
-        has_default_max_length=has_default_max_length and model.generation_config.max_length is None,
-        has_default_min_length=True,
-        model_input_name="input_ids",
-        inputs_tensor=input_ids,
-        input_ids_length=input_ids.shape[1],
-    )
+    default_max_length = has_default_max_length and model.generation_config.max_length is None
+    config = hf.prepare_generated_length(model, config, default_max_length, input_ids)
     # One prompt needs no mask (nothing is padded): transformers' warning about a missing mask is for batches.
     has_mask = attention_mask is not None or input_ids.shape[0] == 1
-    model._prepare_special_tokens(config, has_mask, device=input_device(model))
+    hf.prepare_special_tokens(model, config, has_mask, input_device(model))
     max_new_tokens = config.max_length - input_ids.shape[1]
     if max_new_tokens <= 0:
         raise ValueError(
@@ -93,9 +88,8 @@ def paged_generate(
     paged_config = paged_config or getattr(model, "paged_config", None) or PagedConfig()
     paged_config = paged_config.for_model(model)  # the engine's kernel and block size
     groups = LayerKinds.from_config(model.config, paged_config.hybrid_kv).groups
-    size, budget = paged_config.block_size, paged_config.max_batch_tokens
-    per_prompt = max(num_sequences, num_beams)  # beams: the worst case, every beam recomputed alone after a preemption
-    exact_fit = sum(blocks_at_peak(len(p) + max_new_tokens, size, groups, budget) for p in prompts) * per_prompt
+    lengths = [len(p) for p in prompts]
+    exact_fit = blocks_for_batch(lengths, max_new_tokens, paged_config, groups, max(num_sequences, num_beams))
     # ``config`` is the engine's own (below): already prepared, so add_request does not prepare it again per prompt
     common = dict(max_new_tokens=max_new_tokens, logits_processor=logits_processor,
                   stopping_criteria=stopping_criteria, tokenizer=tokenizer)  # fmt: skip
@@ -145,7 +139,7 @@ def _pack(
     """Lay results out as generate does: [batch, input_len + longest output], pad after EOS."""
     if (config.num_beams or 1) > 1:
         return _pack_beams(config, input_ids, outputs)
-    pad = config._pad_token_tensor
+    pad = hf.pad_token_tensor(config)
     pad_id = int(pad) if pad is not None else 0
     width = max(len(o.output_ids) for o in outputs)
     new = torch.full((len(outputs), width), pad_id, dtype=input_ids.dtype)
@@ -178,7 +172,7 @@ def _pack_beams(
     """Beam search's layout: hypotheses filled with pad (or, where pad is 0 or unset, the first EOS)
     as transformers fills them; ``beam_indices`` count beams across the batch (row b's beams are
     ``b * num_beams + k``), -1 past each hypothesis' end."""
-    pad, eos = config._pad_token_tensor, config._eos_token_tensor
+    pad, eos = hf.pad_token_tensor(config), hf.eos_token_tensor(config)
     fill = (int(pad) if pad is not None and int(pad) else int(eos.flatten()[0])) if eos is not None else -1
     width = max(len(o.output_ids) for o in outputs)
     new = torch.full((len(outputs), width), fill, dtype=input_ids.dtype)

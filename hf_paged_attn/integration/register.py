@@ -1,8 +1,9 @@
-"""Registration with transformers: the one module that patches anything.
+"""Registration: the one module that patches anything.
 
-``register()`` adds ``"paged"`` to transformers' attention and mask interfaces and routes
-``generate`` of models whose attention is ``"paged"`` to the continuous-batching engine. Every
-other model keeps transformers' own ``generate`` untouched.
+``register()`` adds ``"paged"`` to transformers' attention and mask interfaces, routes ``generate``
+of models whose attention is ``"paged"`` to the continuous-batching engine (every other model keeps
+transformers' own ``generate`` untouched), and gives the runtime the tensor-parallel launcher for
+models sharded over ranks.
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ import functools
 from transformers import AttentionInterface, GenerationMixin
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .. import transformers_private as hf
 from ..attention.function import PagedWindow, paged_attention_forward
+from ..parallel import claim as tensor_parallel_launcher
+from ..runtime.executor import LAUNCHERS
 
 NAME = "paged"  # never "paged|...": transformers reserves that prefix for its own engine
 
@@ -34,6 +38,8 @@ def register() -> str:
     """Register ``"paged"`` (idempotent) and return the name to pass as ``attn_implementation``."""
     AttentionInterface.register(NAME, paged_attention_forward)
     AttentionMaskInterface.register(NAME, paged_mask)
+    if tensor_parallel_launcher not in LAUNCHERS:
+        LAUNCHERS.append(tensor_parallel_launcher)
     if not getattr(GenerationMixin.generate, "_hf_paged_attn", False):
         GenerationMixin.generate = _routed(GenerationMixin.generate)
     return NAME
@@ -42,7 +48,7 @@ def register() -> str:
 def _routed(original):
     @functools.wraps(original)
     def generate(self, *args, **kwargs):
-        if getattr(self.config, "_attn_implementation", None) == NAME:
+        if hf.attn_implementation(self) == NAME:
             from .generate import paged_generate
 
             return paged_generate(self, *args, **kwargs)

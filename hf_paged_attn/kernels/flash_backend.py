@@ -11,17 +11,14 @@ flash-attn is imported lazily by ``_load_flash_attn`` (tests substitute a stand-
 
 from __future__ import annotations
 
+import importlib.util
 from types import ModuleType
 
 import torch
 
-from . import BACKENDS
+from .base import AttentionBackend
 
-__all__ = ["paged_decode_attention", "paged_prefill_attention", "varlen_attention", "write_kv"]
-
-# The varlen path writes K/V with ``write_kv`` and attends with ``paged_prefill_attention``
-# (flash_attn_varlen_func with a block_table, flash-attn >= 2.5): no gather
-PREFILL_FROM_PAGES = True
+__all__ = ["FlashBackend", "paged_decode_attention", "paged_prefill_attention", "write_kv"]
 
 _DTYPES = (torch.float16, torch.bfloat16)
 
@@ -70,7 +67,7 @@ def _check_pages(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
             f"k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
             f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
-    BACKENDS["flash"].check_block_size(k_cache.shape[1])
+    FlashBackend.check_block_size(k_cache.shape[1])
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         # The pages are updated in place, so they cannot be copied to fix their layout.
         raise ValueError("k_cache and v_cache must have a contiguous last dimension for flash-attn")
@@ -87,37 +84,6 @@ def _options(softmax_scale: float, causal: bool, window_size: tuple[int, int], s
     )
 
 
-def varlen_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    *,
-    softmax_scale: float,
-    causal: bool = True,
-    window_size: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Packed varlen attention. q: [total_q, H, D]; k, v: [total_k, H_kv, D]; cu_seqlens_*: [B + 1].
-    Returns [total_q, H, D]."""
-    _check_supported(q, sinks)
-    fa = _load_flash_attn()
-    return fa.flash_attn_varlen_func(
-        q=_last_dim_contiguous(q),
-        k=_last_dim_contiguous(k),
-        v=_last_dim_contiguous(v),
-        cu_seqlens_q=_int32(cu_seqlens_q, q.device),
-        cu_seqlens_k=_int32(cu_seqlens_k, q.device),
-        max_seqlen_q=int(max_seqlen_q),
-        max_seqlen_k=int(max_seqlen_k),
-        **_options(softmax_scale, causal, window_size, softcap),
-    )
-
-
 def paged_prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -126,19 +92,21 @@ def paged_prefill_attention(
     seqused_k: torch.Tensor,
     block_table: torch.Tensor,
     max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
     *,
     softmax_scale: float,
     causal: bool = True,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
-    max_seqlen_k: int | None = None,
+    memo: dict | None = None,
 ) -> torch.Tensor:
     """Packed queries against keys read from the pages: flash-attn's varlen kernel with a block table.
 
     q: [total_q, H, D]; k_cache, v_cache: [num_blocks, block_size, H_kv, D] already holding this
     step's keys; cu_seqlens_q: [B + 1]; seqused_k: [B] keys per request; block_table: [B, max_blocks].
-    ``max_seqlen_k`` defaults to the block table's capacity, an upper bound known without a sync.
+    ``max_seqlen_k`` defaults to the block table's capacity, an upper bound known without a sync;
+    ``memo`` is accepted for the protocol only.
     Returns [total_q, H, D].
     """
     _check_supported(q, sinks)
@@ -172,17 +140,19 @@ def paged_decode_attention(
     v: torch.Tensor | None,
     cache_seqlens: torch.Tensor,
     block_table: torch.Tensor,
+    max_seqlen_k: int | None = None,
     *,
     softmax_scale: float,
     causal: bool = True,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    memo: dict | None = None,
 ) -> torch.Tensor:
     """One new token per request. q: [B, 1, H, D]; k_cache, v_cache: [num_blocks, block_size, H_kv,
     D]; k, v: [B, 1, H_kv, D] appended in place at cache_seqlens[b] (then cache_seqlens[b] + 1 keys
     are attended), or None (then cache_seqlens[b] keys, already in the pages); block_table:
-    [B, max_blocks]. Returns [B, 1, H, D]."""
+    [B, max_blocks]. ``max_seqlen_k`` and ``memo`` are accepted for the protocol only. Returns [B, 1, H, D]."""
     _check_supported(q, sinks)
     _check_pages(k_cache, v_cache)
     if (k is None) != (v is None):
@@ -228,3 +198,29 @@ def write_kv(
         new = new.to(cache.dtype)
         spare = torch.where(any_kept, new[first], flat[0])  # [H_kv, D]
         flat.index_copy_(0, targets, torch.where(keep[:, None, None], new, spare))
+
+
+class FlashBackend(AttentionBackend):
+    name = "flash"
+    dtypes = _DTYPES
+    supports_sinks = False
+    block_size_rule = "a multiple of 256 (flash-attn 2's paged kernels)"
+    install_hint = "needs a CUDA device and flash-attn installed (pip install 'hf-paged-attn[flash]')"
+    graph_safe = True  # flash_attn_with_kvcache: cache_seqlens and block_table are device tensors
+
+    @staticmethod
+    def is_available(device: torch.device) -> bool:
+        return device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
+
+    @staticmethod
+    def accepts_block_size(block_size: int) -> bool:
+        return block_size % 256 == 0
+
+    @staticmethod
+    def default_block_size(device: torch.device) -> int:
+        return 256
+
+    # The entry points are this module's functions, whose signatures are the protocol's
+    write_kv = staticmethod(write_kv)
+    paged_prefill_attention = staticmethod(paged_prefill_attention)
+    paged_decode_attention = staticmethod(paged_decode_attention)

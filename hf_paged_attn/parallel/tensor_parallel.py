@@ -2,11 +2,11 @@
 ``from_pretrained(..., tp_plan="auto")`` under ``torchrun``.
 
 Rank 0 (the *driver*) owns intake, scheduling and sampling: it is an ordinary engine whose
-``_forward`` first sends the step to the other ranks (the *workers*). A step's message is the
-step's metadata (``StepMetadata``'s tensors, on the CPU) plus the step's copy-on-write block
-copies; each worker copies its blocks and runs the same forward on its shard, its cache holding
-only its own K/V heads. Only rank 0 samples, so sampling uses one generator whatever the ranks'
-random states; the tokens reach the workers as the next step's ``input_ids``.
+executor (``TensorParallelExecutor``) first sends each step to the other ranks (the *workers*). A
+step's message is the step's description (``StepMetadata``, its tensors on the CPU; its
+copy-on-write block copies travel in it); each worker copies its blocks and runs the same forward
+on its shard, its cache holding only its own K/V heads. Only rank 0 samples, so sampling uses one
+generator whatever the ranks' random states; the tokens reach the workers as the next step's ``input_ids``.
 
 Messages go over a gloo group of their own (CPU, whatever the model's backend), so a worker can
 wait between requests for as long as the server idles, and never mixes a message up with the
@@ -18,7 +18,6 @@ or discard that step, and rank 0 fails the step's requests, as one process would
 from __future__ import annotations
 
 import dataclasses
-import functools
 import pickle
 import signal
 from collections.abc import Callable
@@ -28,18 +27,19 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from ..attention import cache as cache_module
+from ..attention.cache import PagedAttentionCache
 from ..attention.step import StepMetadata
 from ..core.layers import LayerKinds
-from ..core.scheduler import SchedulerOutput
-from ..runtime import placement
+from ..kernels import load_backend
+from ..kernels.base import AttentionBackend
+from ..runtime import memory
 from ..runtime.config import PagedConfig
-from ..runtime.engine import ContinuousBatchingEngine
+from ..runtime.executor import CacheSize, LocalExecutor
+from ..runtime.placement import input_device
 
 T = TypeVar("T")
 # Workers wait on the control group between requests: as long as a server may idle, not gloo's 30 min.
 IDLE_TIMEOUT = timedelta(days=365)
-_LOCAL_FIELDS = {"backend", "last_layer", "copies", "group_views", "memo"}  # StepMetadata fields each rank makes itself
 
 
 # ----------------------------------------------------------------------------- who is what
@@ -51,11 +51,6 @@ def is_tensor_parallel(model: torch.nn.Module) -> bool:
 def is_driver(model: torch.nn.Module) -> bool:
     """True on rank 0 of a tensor-parallel model, and always for a model in one process."""
     return not is_tensor_parallel(model) or dist.get_rank() == 0
-
-
-def engine_class(model: torch.nn.Module, cls: type) -> type:
-    """The class ``ContinuousBatchingEngine(model)`` builds: the tensor-parallel engine for a sharded model."""
-    return TensorParallelEngine if cls is ContinuousBatchingEngine and is_tensor_parallel(model) else cls
 
 
 class RankError(RuntimeError):
@@ -200,81 +195,79 @@ def replicate_kv_heads(model: torch.nn.Module) -> None:
     model._paged_kv_replicated = True
 
 
-def fitting_blocks(model: torch.nn.Module, config: PagedConfig) -> int:
-    """What this rank's memory holds, as the engine sizes it alone (``placement.fitting_blocks``),
-    but for the K/V heads this rank holds: the config's head count is the whole model's."""
-    total, local = kv_heads(model)
-    free = cache_module.free_memory_bytes  # looked up at call time: tests give ranks different memory
+def rank_blocks(model: torch.nn.Module, config: PagedConfig) -> int:
+    """What this rank's memory holds, as one process sizes its cache (``memory.fitting_blocks``), but
+    for the K/V heads this rank holds: the config's head count is the whole model's."""
+    _, local = kv_heads(model)
     layers = LayerKinds.from_config(model.config, share_pages=config.hybrid_kv)  # one device per rank
-    return placement.fitting_blocks(model, config, layers, free_bytes=lambda device: free(device) * total // local)
+    return memory.fitting_blocks(model, config, layers, num_kv_heads=local)
 
 
 # ----------------------------------------------------------------------------- rank 0
-class TensorParallelEngine(ContinuousBatchingEngine):
-    """The engine on rank 0 of a tensor-parallel model; the other ranks call ``run_worker(model)``.
+class TensorParallelLauncher:
+    """Sets rank 0's engine up: the workers hear the config, the ranks agree on the cache size, and
+    the executor broadcasts every step."""
 
-    ``ContinuousBatchingEngine(model)`` builds one when ``model`` is tensor-parallel. Call
-    ``shutdown()`` (or use it as a context manager) when done: that ends the workers' loop.
-    """
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        config: PagedConfig | None = None,
-        generation_config: Any = None,
-        num_blocks: int | None = None,
-    ) -> None:
-        channel = setup(model)
-        if channel.rank != 0:
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.channel = setup(model)
+        if self.channel.rank != 0:
             raise ValueError(
-                f"this is rank {channel.rank}: the engine of a tensor-parallel model runs on rank 0; "
+                f"this is rank {self.channel.rank}: the engine of a tensor-parallel model runs on rank 0; "
                 "call hf_paged_attn.parallel.run_worker(model) on the other ranks"
             )
-        if channel.session is not None:
+        if self.channel.session is not None:
             raise ValueError("another tensor-parallel engine is running: shut it down first (engine.shutdown())")
-        config = (config or PagedConfig()).for_model(model)
-        candidate = num_blocks or config.num_blocks or fitting_blocks(model, config)
+
+    def cache_size(
+        self, model: torch.nn.Module, config: PagedConfig, layers: LayerKinds, num_blocks: int | None
+    ) -> CacheSize:
+        channel = self.channel
+        candidate = num_blocks or rank_blocks(model, config)
         channel.listening, channel.session = True, self
         channel.send("hello", config)
-        self.channel = channel
-        self._copies: list[tuple[int, int]] = []
         try:
-            super().__init__(model, config, generation_config, num_blocks=channel.agree_min(candidate))
+            agreed = channel.agree_min(candidate)
         except Exception:
             channel.release()  # the workers must not wait for an engine that will never step
             raise
+        return CacheSize(agreed, agreed)
 
-    def _run(self, plan: SchedulerOutput) -> list:
-        self._copies = plan.block_copies  # they travel with the step's message
-        return super()._run(plan)
+    def executor(
+        self,
+        model: torch.nn.Module,
+        cache: PagedAttentionCache,
+        backend: AttentionBackend,
+        config: PagedConfig,
+        layers: LayerKinds,
+        size: CacheSize,
+    ) -> TensorParallelExecutor:
+        return TensorParallelExecutor(LocalExecutor(model, cache, backend), self.channel, self)
 
-    def _forward(self, meta: StepMetadata) -> torch.Tensor:
-        if self.channel.session is not self:
+
+class TensorParallelExecutor:
+    """Rank 0's forwards: each step goes to the workers first, then every rank runs its shard; a rank
+    that raises makes every rank raise (``run_step``)."""
+
+    def __init__(self, local: LocalExecutor, channel: ControlChannel, session: object) -> None:
+        self.local = local
+        self.channel = channel
+        self.session = session  # what the channel knows this engine's launcher as
+
+    def execute(self, step: StepMetadata) -> torch.Tensor:
+        if self.channel.session is not self.session:
             raise RuntimeError("this tensor-parallel engine has been shut down")
-        self.channel.send("step", pack(meta), self._copies)
-        return run_step(self.channel, lambda: None, functools.partial(ContinuousBatchingEngine._forward, self, meta))
+        self.channel.send("step", moved(step, torch.device("cpu")))
+        return run_step(self.channel, lambda: self.local.prepare(step), lambda: self.local.forward(step))
 
-    def shutdown(self) -> None:
+    def close(self) -> None:
         """End the workers' loop (their ``run_worker`` returns). Idempotent."""
-        if self.channel.session is self:
+        if self.channel.session is self.session:
             self.channel.release()
 
-    def __enter__(self) -> TensorParallelEngine:
-        return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.shutdown()
-
-
-def pack(meta: StepMetadata) -> dict[str, Any]:
-    """The fields of ``meta`` a worker needs, tensors on the CPU (they pickle device-free); a hybrid
-    model's other attention groups (``other_groups``) travel with them."""
-    cpu = torch.device("cpu")
-    return {f.name: moved(getattr(meta, f.name), cpu) for f in dataclasses.fields(meta) if f.name not in _LOCAL_FIELDS}
-
-
-def unpack(fields: dict[str, Any], device: torch.device) -> StepMetadata:
-    return StepMetadata(**{name: moved(value, device) for name, value in fields.items()})
+def claim(model: torch.nn.Module) -> TensorParallelLauncher | None:
+    """``executor.LAUNCHERS``' entry: the tensor-parallel launcher for a model sharded over ranks."""
+    return TensorParallelLauncher(model) if is_tensor_parallel(model) else None
 
 
 def moved(value: Any, device: torch.device) -> Any:
@@ -300,10 +293,6 @@ class WorkerReport:
     kv_bytes: int = 0  # bytes of this rank's K/V pages
 
 
-class _ForwardEngine(ContinuousBatchingEngine):
-    """A worker's engine: its cache, backend and ``_forward``; it never schedules."""
-
-
 def run_worker(model: torch.nn.Module) -> WorkerReport | None:
     """Run rank 0's steps on this rank's shard until rank 0 shuts its engine down (every rank but 0
     calls it once per engine of rank 0). Returns what this rank did, or None if rank 0 stopped
@@ -316,29 +305,21 @@ def run_worker(model: torch.nn.Module) -> WorkerReport | None:
         channel.outcome = message[1]
         return None
     config: PagedConfig = message[1]
-    num_blocks = channel.agree_min(fitting_blocks(model, config))
-    engine = _ForwardEngine(model, config.replace(seed=0), num_blocks=num_blocks)  # seed: leave torch's RNG alone
+    num_blocks = channel.agree_min(rank_blocks(model, config))
+    device = input_device(model)
+    layers = LayerKinds.from_config(model.config, share_pages=config.hybrid_kv)
+    cache = PagedAttentionCache(model.config, num_blocks, config.block_size, layers)
+    local = LocalExecutor(model, cache, load_backend(config.kernel, device))
     report = WorkerReport(num_blocks)
-    with torch.inference_mode():
-        while (message := channel.receive())[0] == "step":
-            _, fields, copies = message
-            step: list[StepMetadata] = []
-
-            def prepare(fields: dict = fields, copies: list = copies, step: list = step) -> None:
-                engine.cache.copy_blocks(copies)
-                meta = unpack(fields, engine.device)
-                meta.backend = engine.backend
-                step.append(meta)
-
-            try:
-                run_step(channel, prepare, lambda step=step: engine._forward(step[0]))
-                report.num_steps += 1
-            except Exception:  # rank 0 fails the step's requests; the worker carries on
-                report.num_failed_steps += 1
+    while (message := channel.receive())[0] == "step":
+        step: StepMetadata = moved(message[1], device)
+        try:
+            run_step(channel, lambda step=step: local.prepare(step), lambda step=step: local.forward(step))
+            report.num_steps += 1
+        except Exception:  # rank 0 fails the step's requests; the worker carries on
+            report.num_failed_steps += 1
     channel.outcome = message[1]
-    report.kv_bytes = sum(
-        layer.keys.nbytes + layer.values.nbytes for layer in engine.cache.layers if layer.is_initialized
-    )
+    report.kv_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.is_initialized)
     return report
 
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from transformers.generation.utils import GenerationMixin
 
+from .. import transformers_private as hf
 from ..core.request import Request, Status
 
 if TYPE_CHECKING:
@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     from ..core.scheduler import Scheduler
     from .sampling import SamplingParams
 
-_HF = GenerationMixin  # its beam helpers use only static methods of the class: called with it as self
 
 
 class BeamGroup:
@@ -66,7 +65,7 @@ class BeamGroup:
     def _init_state(self, device: torch.device) -> dict[str, torch.Tensor]:
         n, width = self.num_beams, self.head.max_new_tokens
         eos = sorted(self.params.eos_token_ids)
-        pad = self.params.generation_config._pad_token_tensor
+        pad = hf.pad_token_tensor(self.params.generation_config)
         fill = (int(pad) if pad is not None and int(pad) else eos[0]) if eos else -1  # as transformers fills
         running_scores = torch.zeros((1, n), device=device)
         running_scores[:, 1:] = -1e9  # only the first beam's continuations count at the first step
@@ -111,21 +110,21 @@ class BeamGroup:
         top_scores, top_sequences, top_indices = self._top_k(accumulated, vocab, generator)
         hits = self._hits(top_sequences[0, :, : cur + 1], history)  # [1, K]
         s["running_sequences"], s["running_beam_scores"], s["running_beam_indices"] = (
-            _HF._get_running_beams_for_next_iteration(_HF, top_scores, top_sequences, top_indices, hits, n)
+            hf.running_beams_for_next_iteration(top_scores, top_sequences, top_indices, hits, n)
         )
-        s["sequences"], s["beam_scores"], s["beam_indices"], s["is_sent_finished"] = _HF._update_finished_beams(
-            _HF, s["sequences"], top_sequences, s["beam_scores"], top_scores, s["beam_indices"], top_indices,
+        s["sequences"], s["beam_scores"], s["beam_indices"], s["is_sent_finished"] = hf.update_finished_beams(
+            s["sequences"], top_sequences, s["beam_scores"], top_scores, s["beam_indices"], top_indices,
             s["unsatisfied"], s["is_sent_finished"], hits, s["top_num_beam_mask"], n, cur, 0,
             self.length_penalty, self.early_stopping,
         )  # fmt: skip
         self.cur_len = cur = cur + 1
-        s["unsatisfied"] = _HF._check_early_stop_heuristic(
+        s["unsatisfied"] = hf.check_early_stop_heuristic(
             s["unsatisfied"], s["running_beam_scores"], s["beam_scores"], s["is_sent_finished"],
             cur, self.head.max_new_tokens, 0, self.early_stopping, self.length_penalty,
         )  # fmt: skip
         self.parents = s["running_beam_indices"][0, :, cur - 1].tolist()
         self.tokens = s["running_sequences"][0, :, cur - 1].tolist()
-        go_on = _HF._beam_search_has_unfinished_sequences(
+        go_on = hf.beam_search_has_unfinished_sequences(
             s["unsatisfied"], s["is_sent_finished"], hits, self.early_stopping
         )
         return not bool(go_on)
@@ -147,8 +146,8 @@ class BeamGroup:
         else:
             scores, indices = torch.topk(accumulated, k=k)  # [1, K]
         from_beam = indices // vocab  # [1, K]
-        sequences = _HF._gather_beams(s["running_sequences"], from_beam)  # [1, K, width]
-        beam_indices = _HF._gather_beams(s["running_beam_indices"], from_beam)
+        sequences = hf.gather_beams(s["running_sequences"], from_beam)  # [1, K, width]
+        beam_indices = hf.gather_beams(s["running_beam_indices"], from_beam)
         sequences[:, :, self.cur_len] = indices % vocab
         beam_indices[:, :, self.cur_len] = from_beam.to(beam_indices.dtype)
         return scores, sequences, beam_indices

@@ -8,6 +8,7 @@ import torch
 
 from ..core.policy import POLICIES
 from ..kernels import BACKENDS, KERNELS, resolve_kernel
+from .placement import kernel_device
 
 
 @dataclass(slots=True)
@@ -92,8 +93,6 @@ class PagedConfig:
 
     def for_model(self, model: torch.nn.Module) -> PagedConfig:
         """``resolved`` for ``model``: its device, dtype and whether its attention has sinks."""
-        from .placement import kernel_device  # placement needs the cache, which needs the kernels
-
         sinks = any(name.rsplit(".", 1)[-1] == "sinks" for name, _ in model.named_parameters())
         return self.resolved(kernel_device(model), model.dtype, sinks)  # not model.device: "meta" when offloaded
 

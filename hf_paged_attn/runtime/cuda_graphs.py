@@ -1,14 +1,14 @@
 """CUDA graphs of decode steps: the GPU replays a step's kernels without waiting for Python.
 
 A decode step (every request feeds one token) launches the same kernels every time; only the data
-changes. ``DecodeGraphs`` captures the model's forward once per batch-size *bucket* (1, 2, 4, 8, 16,
+changes. ``CudaGraphExecutor`` captures the model's forward once per batch-size *bucket* (1, 2, 4, 8, 16,
 24, ... up to ``max_num_seqs``), lazily, the first time a step of that size comes, over *static*
 buffers: input ids, positions, cache lengths, each attention group's block table (one fixed width,
 the most blocks a request can hold), slot mapping and key offsets. Each step copies its metadata
 into the first rows of those buffers and replays the bucket's graph; the logits of its real rows
 come back. Everything else runs eagerly as before: steps with prefill, beam search, more requests
-than the largest bucket, tables wider than the buffers, tensor-parallel engines, models spread
-over several devices and models whose weights accelerate offloads.
+than the largest bucket and tables wider than the buffers (the executor is only chosen for a model on
+one CUDA device whose weights accelerate does not offload: ``executor.LocalLauncher``).
 
 A graph bakes in every Python-side value of the capture, so only backends whose decode kernel reads
 lengths and tables from device tensors and whose launch parameters follow from shapes can be
@@ -26,7 +26,7 @@ stand-in that re-runs the captured function on "replay", which reads nothing but
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -34,11 +34,11 @@ import torch
 
 from ..attention.step import GroupTables, StepMetadata
 from ..core.blocks import blocks_for
-from .placement import layer_devices
+from ..core.layers import LayerKinds
+from .config import PagedConfig
 
 if TYPE_CHECKING:
-    from ..core.scheduler import ScheduledRequest
-    from .engine import ContinuousBatchingEngine
+    from .executor import LocalExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +98,7 @@ class _Buffers:
     input_ids: torch.Tensor  # [1, M] int64
     position_ids: torch.Tensor  # [1, M] int64
     cache_seqlens: torch.Tensor  # [M] int32
+    seqused_k: torch.Tensor  # [M] int32, cache_seqlens + 1
     cu_seq_lens_q: torch.Tensor  # [M + 1] int32, 0..M: one query per row
     logits_indices: torch.Tensor  # [M] int64, 0..M-1
     ramp: torch.Tensor  # [M + 1] int32, 0..M: key offsets of padding rows (one key each)
@@ -111,74 +112,66 @@ class _Captured:
     logits: torch.Tensor  # [bucket, vocab], rewritten by every replay
 
 
-class DecodeGraphs:
-    """The decode-step runner of one engine: buckets, static buffers, capture and replay.
+class CudaGraphExecutor:
+    """Decode steps replayed from CUDA graphs (buckets, static buffers, capture and replay); every
+    other step through ``eager``, whose cache and model the graphs capture.
 
+    ``scratch_block``: a page of the cache that no request ever holds (padding rows write there).
     ``num_captures`` / ``num_replays`` count graphs captured and steps replayed.
     """
 
     def __init__(
         self,
-        engine: ContinuousBatchingEngine,
+        eager: LocalExecutor,
+        layers: LayerKinds,
+        config: PagedConfig,
+        scratch_block: int,
+        max_positions: int | None,
         graph_factory: GraphFactory | None = None,
-        backend: object | None = None,
     ) -> None:
-        self.engine = engine  # its model, its cache (made after this runner) and its layer kinds
-        self.backend = backend or engine.backend
-        self.graph_factory = graph_factory or CudaGraphFactory(engine.device)
-        config = engine.config
+        self.eager = eager
+        self.layers = layers  # the layer kinds: graphs wait until the first step has confirmed the windows
+        self.device: torch.device | None = None  # the steps' device, known at the first capture
+        self.graph_factory = graph_factory
         self.buckets = decode_buckets(config.max_num_seqs)
         self.block_size = config.block_size
-        # The cache has one page more than the allocator: block ``num_blocks`` is nobody's.
-        self.scratch_block = engine.allocator.num_blocks
-        self.width = max_blocks_per_seq(engine.max_position_embeddings, self.block_size, engine.allocator.num_blocks)
-        self.device = engine.device
+        self.scratch_block = scratch_block
+        self.width = max_blocks_per_seq(max_positions, self.block_size, scratch_block)
         self.captured: dict[int, _Captured] = {}
         self.buffers: _Buffers | None = None
         self.failed: str | None = None  # why a capture failed: then every step runs eagerly
         self.num_captures = 0
         self.num_replays = 0
 
-    @classmethod
-    def for_engine(cls, engine: ContinuousBatchingEngine) -> DecodeGraphs | None:
-        """The runner ``engine`` uses, or None when its steps all run eagerly: graphs off in its
-        resolved config, a tensor-parallel model, layers on several devices or not on CUDA, or
-        weights that accelerate offloads (its hooks copy them in at every forward, from the host)."""
-        model = engine.model
-        if not engine.config.cuda_graphs or engine.device.type != "cuda":
-            return None
-        if (getattr(model, "tp_size", None) or 1) > 1 or len(set(layer_devices(model))) > 1:
-            return None
-        if {"cpu", "disk"} & {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}:
-            return None
-        return cls(engine)
-
     # ----------------------------------------------------------------------------- per step
-    def forward(self, meta: StepMetadata, scheduled: Sequence[ScheduledRequest]) -> torch.Tensor:
+    def execute(self, step: StepMetadata) -> torch.Tensor:
         """Logits of the step's sampled rows, [num_sampled, vocab] float32: replayed from the
-        bucket's graph when the step can be, else from the engine's eager ``_forward``."""
-        bucket = self.bucket_for(meta, scheduled)
-        captured = None if bucket is None else self.captured.get(bucket) or self._capture(bucket)
+        bucket's graph when the step can be, else from the eager executor."""
+        bucket = self.bucket_for(step)
+        captured = None if bucket is None else self.captured.get(bucket) or self._capture(bucket, step)
         if captured is None:
-            return self.engine._forward(meta)
-        self._load(meta, bucket)
+            return self.eager.execute(step)
+        self.eager.prepare(step)
+        self._load(step, bucket)
         captured.graph.replay()
         self.num_replays += 1
-        return captured.logits[meta.logits_indices].float()  # a copy: the next replay overwrites
+        return captured.logits[step.logits_indices].float()  # a copy: the next replay overwrites
 
-    def bucket_for(self, meta: StepMetadata, scheduled: Sequence[ScheduledRequest]) -> int | None:
+    def bucket_for(self, step: StepMetadata) -> int | None:
         """The smallest bucket that holds this step, or None when it must run eagerly."""
-        num_rows = meta.input_ids.shape[1]
-        if not meta.is_decode or self.failed is not None or num_rows > self.buckets[-1]:
+        num_rows = step.num_tokens
+        if not step.is_decode or self.failed is not None or num_rows > self.buckets[-1]:
             return None
-        if not self.engine.layers.observed:  # the first step shows each layer's window (engine._run)
+        if not self.layers.observed:  # the first step shows each layer's window (engine.step)
             return None
-        if any(s.request.group is not None for s in scheduled):  # beam search
+        if step.has_beams:  # beam search runs eagerly
             return None
-        tables = [meta.block_table, *(g.block_table for g in meta.other_groups)]
-        if any(t.shape[1] > self.width for t in tables):
+        if any(g.block_table.shape[1] > self.width for g in step.groups):
             return None
         return next(b for b in self.buckets if b >= num_rows)
+
+    def close(self) -> None:
+        self.captured.clear()
 
     def _load(self, meta: StepMetadata, bucket: int) -> None:
         """Copy the step into the buffers' first rows; the rest up to ``bucket`` become padding."""
@@ -186,7 +179,8 @@ class DecodeGraphs:
         buf.input_ids[:, :n].copy_(meta.input_ids)
         buf.position_ids[:, :n].copy_(meta.position_ids)
         buf.cache_seqlens[:n].copy_(meta.cache_seqlens)
-        for static, step in zip(buf.tables, [meta, *meta.other_groups], strict=True):
+        buf.seqused_k[:n].copy_(meta.seqused_k)
+        for static, step in zip(buf.tables, meta.groups, strict=True):
             width = step.block_table.shape[1]
             static.block_table[:n, :width].copy_(step.block_table)
             static.block_table[:n, width:] = -1
@@ -204,17 +198,21 @@ class DecodeGraphs:
         buf.input_ids[:, start:stop] = 0
         buf.position_ids[:, start:stop] = 0
         buf.cache_seqlens[start:stop] = 0
+        buf.seqused_k[start:stop] = 1
         for static in buf.tables:
             static.block_table[start:stop] = -1
             static.block_table[start:stop, 0] = self.scratch_block
             static.slot_mapping[start:stop] = self.scratch_block * self.block_size
 
     # ----------------------------------------------------------------------------- capture
-    def _capture(self, bucket: int) -> _Captured | None:
+    def _capture(self, bucket: int, step: StepMetadata) -> _Captured | None:
         """Capture ``bucket``'s graph over all-padding buffers: its warm-up runs write only the
-        scratch block. A failure turns graphs off for this engine (logged), steps run eagerly."""
+        scratch block. A failure turns graphs off for this executor (logged), steps run eagerly."""
         if self.buffers is None:
+            self.device = step.input_ids.device
             self.buffers = self._make_buffers()
+        if self.graph_factory is None:
+            self.graph_factory = CudaGraphFactory(self.device)
         self._pad(0, bucket)
         for static in self.buffers.tables:
             static.cu_seq_lens_k[: bucket + 1] = self.buffers.ramp[: bucket + 1]
@@ -230,16 +228,10 @@ class DecodeGraphs:
         return captured
 
     def _run_static(self, meta: StepMetadata) -> torch.Tensor:
-        """The forward a graph holds: reads the static buffers only. [bucket, vocab] logits."""
-        # Per-step work a backend keeps on the metadata must not outlive a run (a replay that
-        # re-runs this function, as the CPU tests' stand-in does, must plan afresh).
-        meta.memo.clear()
-        meta.group_views.clear()
-        cache = self.engine.cache
-        with cache.step(meta):
-            out = self.engine.model(input_ids=meta.input_ids, position_ids=meta.position_ids, cache=cache,
-                                    use_cache=True, paged_metadata=meta, logits_to_keep=0)  # fmt: skip
-        return out.logits[0]
+        """The forward a graph holds: reads the static buffers only. [bucket, vocab] logits. Each run
+        makes its own forward context, so a replay that re-runs this function (as the CPU tests'
+        stand-in does) plans afresh."""
+        return self.eager.logits(meta, 0)
 
     def _make_buffers(self) -> _Buffers:
         rows, width, device = self.buckets[-1], self.width, self.device
@@ -249,7 +241,6 @@ class DecodeGraphs:
             return GroupTables(
                 block_table=torch.full((rows, width), -1, dtype=torch.int32, device=device),
                 slot_mapping=torch.zeros(rows, dtype=torch.int64, device=device),
-                gather_slots=None,
                 cu_seq_lens_k=ramp.clone(),
                 max_length_k=width * self.block_size,  # an upper bound: nothing on the decode path reads it
             )
@@ -258,10 +249,11 @@ class DecodeGraphs:
             input_ids=torch.zeros(1, rows, dtype=torch.int64, device=device),
             position_ids=torch.zeros(1, rows, dtype=torch.int64, device=device),
             cache_seqlens=torch.zeros(rows, dtype=torch.int32, device=device),
+            seqused_k=torch.ones(rows, dtype=torch.int32, device=device),
             cu_seq_lens_q=ramp.clone(),
             logits_indices=torch.arange(rows, device=device),
             ramp=ramp,
-            tables=[group_tables() for _ in self.engine.layers.groups],
+            tables=[group_tables() for _ in self.layers.groups],
         )
 
     def _static_meta(self, bucket: int) -> StepMetadata:
@@ -269,23 +261,17 @@ class DecodeGraphs:
         buf = self.buffers
 
         def rows(t: GroupTables) -> GroupTables:
-            return GroupTables(t.block_table[:bucket], t.slot_mapping[:bucket], None, t.cu_seq_lens_k[: bucket + 1],
+            return GroupTables(t.block_table[:bucket], t.slot_mapping[:bucket], t.cu_seq_lens_k[: bucket + 1],
                                t.max_length_k)  # fmt: skip
 
-        first, *others = [rows(t) for t in buf.tables]
         return StepMetadata(
             input_ids=buf.input_ids[:, :bucket],
             position_ids=buf.position_ids[:, :bucket],
             cu_seq_lens_q=buf.cu_seq_lens_q[: bucket + 1],
-            cu_seq_lens_k=first.cu_seq_lens_k,
             max_length_q=1,
-            max_length_k=first.max_length_k,
-            slot_mapping=first.slot_mapping,
-            gather_slots=None,
-            block_table=first.block_table,
             cache_seqlens=buf.cache_seqlens[:bucket],
+            seqused_k=buf.seqused_k[:bucket],
             logits_indices=buf.logits_indices[:bucket],
             is_decode=True,
-            backend=self.backend,
-            other_groups=others,
+            groups=tuple(rows(t) for t in buf.tables),
         )

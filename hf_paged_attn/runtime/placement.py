@@ -5,24 +5,13 @@ each module's inputs, and its offloaded weights, to the module's *execution devi
 time. Parameters of offloaded modules sit on ``meta`` (disk) or stay on the CPU, so neither
 ``model.device`` nor a parameter's device says where a layer runs: the hooks do. The cache creates
 each layer's pages lazily on the device its keys arrive on, so these helpers only serve what must
-be known before the first step: the device the engine builds step tensors on, and how many blocks
-fit on every device that holds layers.
+be known before the first step: the device the engine builds step tensors on, and the devices
+that hold layers (``memory.py`` sizes the cache for them).
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Callable
-from typing import TYPE_CHECKING
-
 import torch
-
-from ..attention.cache import bytes_per_block, free_memory_bytes
-from ..core.blocks import blocks_for
-
-if TYPE_CHECKING:
-    from ..core.layers import LayerKinds
-    from .config import PagedConfig
 
 
 def hook_device(module: torch.nn.Module) -> torch.device | None:
@@ -99,60 +88,9 @@ def layer_devices(model: torch.nn.Module) -> list[torch.device]:
     return [d if d is not None else fallback for d in devices]
 
 
-def blocks_from_memory(
-    model: torch.nn.Module,
-    block_size: int,
-    memory_fraction: float,
-    dtype: torch.dtype | None = None,
-    free_bytes: Callable[[torch.device], int] = free_memory_bytes,
-    layers_per_block: int | None = None,
-) -> int:
-    """How many blocks fit everywhere: one block id spans every layer, so each device must hold a
-    block's pages for each of its layers. The minimum over devices of
-    ``free_bytes(device) * memory_fraction // (bytes per block per layer * layers on device)``.
-
-    ``dtype`` is the K/V dtype (default: the model's parameters'; offloaded ``meta`` parameters keep
-    theirs). ``free_bytes`` is injectable for tests; it defaults to ``cache.free_memory_bytes``.
-    ``layers_per_block``: the page tensors one block id spans when fewer than the layers (hybrid
-    models share a pool between attention groups, all on one device)."""
-    if dtype is None:
-        dtype = next(model.parameters()).dtype
-    num_layers = model.config.get_text_config().num_hidden_layers
-    per_layer = bytes_per_block(model.config, block_size, dtype) // num_layers
-    counts = Counter(layer_devices(model))
-    if layers_per_block is not None:
-        counts = Counter({device: layers_per_block for device in counts})
-    return min(int(free_bytes(device) * memory_fraction) // (per_layer * n) for device, n in counts.items())
-
-
-def fitting_blocks(
-    model: torch.nn.Module,
-    config: PagedConfig,
-    layers: LayerKinds,
-    free_bytes: Callable[[torch.device], int] = free_memory_bytes,
-) -> int:
-    """The engine's ``num_blocks`` when none is given: what ``config.memory_fraction`` of the free
-    memory holds (``blocks_from_memory``), capped at what ``config.max_num_seqs`` requests can use."""
-    max_position = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 4096
-    useful = config.max_num_seqs * blocks_for(max_position, config.block_size)
-    slots = layers.num_slots if len(layers.groups) > 1 else None
-    fits = blocks_from_memory(
-        model, config.block_size, config.memory_fraction, free_bytes=free_bytes, layers_per_block=slots
-    )
-    return max(1, min(fits, useful * len(layers.groups)))
-
-
 def kernel_device(model: torch.nn.Module) -> torch.device:
     """The device ``kernel="auto"`` is resolved for: the layers' device when they all run on one
     device type (several GPUs count as one type), else the CPU, whose choice (the torch backend)
     is the one that runs on every device."""
     devices = sorted(set(layer_devices(model)), key=str)
     return devices[0] if len({d.type for d in devices}) == 1 else torch.device("cpu")
-
-
-def engine_class(model: torch.nn.Module, cls: type) -> type:
-    """The class ``ContinuousBatchingEngine(model)`` builds: ``distributed.TensorParallelEngine`` when
-    transformers sharded ``model`` over several ranks (``tp_plan``), else ``cls``."""
-    from ..parallel.tensor_parallel import engine_class  # it imports the engine, which imports this module
-
-    return engine_class(model, cls)

@@ -30,6 +30,7 @@ from transformers.generation.logits_process import (
 )
 from transformers.generation.stopping_criteria import MaxTimeCriteria, StopStringCriteria
 
+from .. import transformers_private as hf
 from ..core.request import Request, TokenLogprob
 from .placement import input_device
 
@@ -147,15 +148,10 @@ def make_sampling_params(
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ValueError(f"seed must be None or an int, got {seed!r}")
     device = input_device(model)  # where logits arrive; model.device is "meta" when accelerate offloads
-    model._prepare_special_tokens(config, True, device=device)
-    processors = model._get_logits_processor(
-        generation_config=config,
-        input_ids_seq_length=prompt_length,
-        logits_processor=extra_processors or LogitsProcessorList(),
-        device=device,
-        model_kwargs={"attention_mask": padding_mask(len(prefix), prompt_length, config)} if prefix else {},
-    )
-    eos = config._eos_token_tensor
+    hf.prepare_special_tokens(model, config, True, device)
+    model_kwargs = {"attention_mask": padding_mask(len(prefix), prompt_length, config)} if prefix else {}
+    processors = hf.logits_processors(model, config, prompt_length, extra_processors, device, model_kwargs)
+    eos = hf.eos_token_tensor(config)
     eos_ids = frozenset(eos.flatten().tolist()) if eos is not None else frozenset()
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     params = SamplingParams(

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..runtime.config import PagedConfig
+from .. import PagedConfig
 
 logger = logging.getLogger("hf_paged_attn.serve")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -82,7 +82,7 @@ def load(args: argparse.Namespace) -> tuple[Any, Any]:
     import hf_paged_attn  # noqa: F401  registers attn_implementation="paged"
 
     from .. import ContinuousBatchingEngine
-    from ..parallel.tensor_parallel import is_driver, serve_worker
+    from ..parallel import is_driver, serve_worker
 
     config = paged_config(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.request import RequestOutput
+from .. import RequestOutput
 from .metrics import ServeMetrics
 
 logger = logging.getLogger("hf_paged_attn.serve")

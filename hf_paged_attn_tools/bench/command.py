@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hf_paged_attn_tools.bench.report import build_report, format_table, plot
+from hf_paged_attn_tools.bench.report import build_report, default_out_dir, format_table, plot
 from hf_paged_attn_tools.bench.runner import run_workload
 from hf_paged_attn_tools.bench.systems import SYSTEMS
 from hf_paged_attn_tools.bench.workloads import WORKLOADS, Workload
@@ -33,12 +33,6 @@ DEFAULT_SYSTEMS = {
     "scale": ["engine"],
     "smoke": ["engine", "generate", "hf_cb", "hf_padded"],
 }
-
-
-def default_out_dir() -> Path:
-    """The user's cache folder for results (not the current directory, which may be anything)."""
-    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache) / "hf_paged_attn" / "bench"
 
 
 def parse_args(argv: list[str] | None = None, prog: str = PROG) -> argparse.Namespace:

@@ -33,7 +33,7 @@ import torch
 from transformers import AutoModelForCausalLM, Cache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from hf_paged_attn.attention.cache import ACTIVE_STEP, PagedAttentionCache
+from hf_paged_attn.attention.cache import ACTIVE_FORWARD, PagedAttentionCache
 from hf_paged_attn.integration.register import NAME
 from hf_paged_attn.runtime.config import PagedConfig
 from hf_paged_attn.runtime.engine import ContinuousBatchingEngine
@@ -131,10 +131,10 @@ class StepProfile:
             finally:
                 step = profile._current
                 setattr(step, part, getattr(step, part) + profile.clock() - start)
-                meta = ACTIVE_STEP.get()
-                if meta is not None and meta.is_decode:
+                context = ACTIVE_FORWARD.get()
+                if context is not None and context.step.is_decode:
                     step.kind = "decode"
-                elif meta is None and item and args[1].dim() == 4 and args[1].shape[2] == 1:
+                elif context is None and item and args[1].dim() == 4 and args[1].shape[2] == 1:
                     step.kind = "decode"  # outside the engine: query [batch, heads, 1, head_dim]
 
         if item:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,12 @@ from hf_paged_attn_tools.bench.systems import STATIC, RunResult
 from hf_paged_attn_tools.bench.workloads import Workload
 
 BASELINES = ("hf_cb", "hf_padded")
+
+
+def default_out_dir() -> Path:
+    """The user's cache folder for results (not the current directory, which may be anything)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "hf_paged_attn" / "bench"
 
 
 def _pct(values: list[float] | None, q: float) -> float | None:

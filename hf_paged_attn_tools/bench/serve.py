@@ -1,9 +1,9 @@
 """Serving benchmark: concurrent streaming ``openai`` clients on loopback against our server and
 ``transformers serve --continuous-batching``, same model, same prompts, greedy.
 
-    python -m hf_paged_attn_tools.bench --serve                       # bundled model, 32 clients x 2 requests, 64 tokens
-    python -m hf_paged_attn_tools.bench --serve --model random        # a 28M-parameter random Llama, demo tokenizer
-    python -m hf_paged_attn_tools.bench --serve --smoke               # 4 clients, 8 tokens, our server only (seconds)
+    python -m hf_paged_attn_tools.bench --serve  # bundled model, 32 clients x 2 requests, 64 tokens
+    python -m hf_paged_attn_tools.bench --serve --model random  # a 28M-parameter random Llama, demo tokenizer
+    python -m hf_paged_attn_tools.bench --serve --smoke  # 4 clients, 8 tokens, our server only (seconds)
 
 Each client sends its requests one after another (streamed, ``temperature=0``); all clients start
 together. Throughput is completion tokens over the wall time of the whole run; time to first token
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_paged_attn.demo import DEMO_MODEL, PROMPTS
-from hf_paged_attn_tools.bench.command import default_out_dir
+from hf_paged_attn_tools.bench.report import default_out_dir
 from hf_paged_attn_tools.bench.workloads import ModelSpec
 from hf_paged_attn_tools.launch import ServerProcess
 

@@ -1,0 +1,140 @@
+"""The interface every kernel backend implements: three entry points named and shaped like
+flash-attn's, and its capabilities as declared class attributes.
+
+A backend is a stateless class; the engine holds one instance. Entry points (shapes: ``N`` packed
+query tokens, ``B`` requests, ``H`` query heads, ``H_kv`` K/V heads, ``D`` head dim):
+
+``write_kv(k, v, k_cache, v_cache, slot_mapping)``
+    k, v: [N, H_kv, D] written in place at the flat slots [N] (``block * block_size + offset``) of the
+    pages k_cache, v_cache: [num_blocks, block_size, H_kv, D].
+
+``paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q,
+max_seqlen_k, *, softmax_scale, causal, window_size, softcap, sinks, memo) -> [N, H, D]``
+    The varlen path (any step with prefill). q: [N, H, D], packed requests; cu_seqlens_q: int32
+    [B + 1]; request b attends its first ``seqused_k[b]`` keys (int32 [B], the step's own keys
+    included: they were written with ``write_kv`` first), read straight from the pages through
+    ``block_table`` (int32 [B, max_blocks], -1 unallocated). The causal mask is aligned bottom-right
+    (flash-attn >= 2.1), so a query chunk sees every earlier key. Requests without keys output zeros.
+
+``paged_decode_attention(q, k_cache, v_cache, k, v, cache_seqlens, block_table, max_seqlen_k, *,
+softmax_scale, causal, window_size, softcap, sinks, memo) -> [B, 1, H, D]``
+    The decode path (every request feeds one token), ``flash_attn_with_kvcache`` semantics.
+    q: [B, 1, H, D]; k, v: [B, 1, H_kv, D], appended in place at position ``cache_seqlens[b]``
+    (int32 [B], the tokens cached before), or None when already written (then cache_seqlens counts
+    the keys to attend).
+
+Shared options: ``window_size`` (left, right), -1 unbounded: key j is visible to query i (absolute
+positions) when i - left <= j <= i + right. ``softcap`` > 0 applies ``softcap * tanh(s / softcap)``.
+``sinks``: [H] per-head logits that join the softmax denominator only (GPT-OSS). ``max_seqlen_q`` /
+``max_seqlen_k``: host-side upper bounds of the query and key lengths, so a launch is sized without
+a device sync (None: the backend reads what it needs from the lengths). ``memo``: a dict that lives
+for one forward and one attention group on one device, the same for every layer of it: a backend
+may keep layer-independent work there (the torch backend's gather plans); others ignore it. Every
+call with one ``memo`` passes the same lengths and block table.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+
+class AttentionBackend(ABC):
+    """A kernel backend: capabilities (class attributes, known before anything heavy is imported)
+    and the three entry points."""
+
+    name: ClassVar[str]
+    dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None  # None: every dtype
+    supports_sinks: ClassVar[bool] = True
+    # Whether a decode step through it can be captured in a CUDA graph (``runtime/cuda_graphs.py``):
+    # its decode reads lengths and block tables from device tensors only, and its launch parameters
+    # (grid, split-K count) follow from shapes, which a graph's bucket fixes.
+    graph_safe: ClassVar[bool] = False
+    block_size_rule: ClassVar[str]  # ``accepts_block_size`` in words, for error messages
+    install_hint: ClassVar[str] = ""  # what to install when ``is_available`` says no
+
+    # ------------------------------------------------------------------ capabilities
+    @staticmethod
+    @abstractmethod
+    def is_available(device: torch.device) -> bool:
+        """Can it run on ``device`` at all (device type, compute capability, package installed)?"""
+
+    @staticmethod
+    @abstractmethod
+    def accepts_block_size(block_size: int) -> bool: ...
+
+    @staticmethod
+    @abstractmethod
+    def default_block_size(device: torch.device) -> int: ...
+
+    @classmethod
+    def suits(cls, device: torch.device, block_size: int | None, dtype: torch.dtype | None, sinks: bool) -> bool:
+        """Can it run a cache of ``block_size`` (None: its own) in ``dtype`` on ``device``?"""
+        return (
+            cls.is_available(device)
+            and (block_size is None or cls.accepts_block_size(block_size))
+            and (dtype is None or cls.dtypes is None or dtype in cls.dtypes)
+            and (cls.supports_sinks or not sinks)
+        )
+
+    @classmethod
+    def check_block_size(cls, block_size: int) -> None:
+        if not cls.accepts_block_size(block_size):
+            raise ValueError(
+                f"the {cls.name} kernels need a block_size that is {cls.block_size_rule}, got "
+                f"block_size={block_size}; leave PagedConfig.block_size=None for the kernel's own, "
+                "or pick another kernel"
+            )
+
+    # ------------------------------------------------------------------ entry points
+    @abstractmethod
+    def write_kv(
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None: ...
+
+    @abstractmethod
+    def paged_prefill_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        seqused_k: torch.Tensor,
+        block_table: torch.Tensor,
+        max_seqlen_q: int | None = None,
+        max_seqlen_k: int | None = None,
+        *,
+        softmax_scale: float,
+        causal: bool = True,
+        window_size: tuple[int, int] = (-1, -1),
+        softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
+        memo: dict | None = None,
+    ) -> torch.Tensor: ...
+
+    @abstractmethod
+    def paged_decode_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        cache_seqlens: torch.Tensor,
+        block_table: torch.Tensor,
+        max_seqlen_k: int | None = None,
+        *,
+        softmax_scale: float,
+        causal: bool = True,
+        window_size: tuple[int, int] = (-1, -1),
+        softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
+        memo: dict | None = None,
+    ) -> torch.Tensor: ...
+
+
+def power_of_two_at_least_16(block_size: int) -> bool:
+    """The Triton kernels' page sizes: a key tile never straddles two pages."""
+    return block_size >= 16 and block_size & (block_size - 1) == 0

@@ -1,0 +1,32 @@
+"""Fixtures shared by the tests: tiny models with random weights, saved with save_pretrained and loaded back with
+from_pretrained(..., attn_implementation=...), so the real loading code runs (no hub access here)."""
+
+from __future__ import annotations
+
+import pytest
+
+import hf_paged_attn  # noqa: F401  (registers "paged")
+from hf_paged_attn_tools.testing import load_pair, save_random_model, tiny_llama_config
+
+
+@pytest.fixture(scope="session")
+def demo():
+    """(tokenizer, paged model, sdpa model) of the bundled demo model: real text."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_paged_attn.demo import DEMO_MODEL
+
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL, padding_side="left")
+    paged = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, attn_implementation="paged").eval()
+    ref = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, attn_implementation="sdpa").eval()
+    return tokenizer, paged, ref
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory) -> str:
+    return save_random_model(tiny_llama_config(), tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def llama_pair(llama_dir):
+    return load_pair(llama_dir)
