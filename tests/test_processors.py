@@ -54,6 +54,7 @@ from hf_paged_attn.runtime.processors import (
     RowFree,
     Rows,
     TokenHistory,
+    openai_options,
     plan_processors,
     run_plans,
     stacks,
@@ -371,6 +372,9 @@ def test_openai_extras_validate_and_take_vllms_place() -> None:
     plan = plan_processors([no_repeat, temperature], frequency_penalty=0.5)
     assert [type(s).__name__ for s in plan.steps] == ["NoRepeatNGram", "PresenceFrequencyPenalty", "RowFree"]
     assert plan.tail_start == 2 and list(plan.row_free_tail) == [temperature]
+    options = openai_options(GenerationConfig(presence_penalty=0.5, logit_bias={3: -1.0}))
+    assert options == {"presence_penalty": 0.5, "frequency_penalty": 0.0, "logit_bias": {3: -1.0}}
+    assert openai_options(GenerationConfig()) == {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None}
 
 
 # ------------------------------------------------------------------------------------------ stacking keys

@@ -19,6 +19,11 @@ tensor built from Python lists. Here instead:
 
 A processor the plan does not know (a caller's own, a subclass) is ``Opaque``: it runs per row on its
 ``[1, len]`` ids as before, or on a ``GenerateBatch``.
+
+The engine's side, per request whose plan ``needs_rows`` (keys: the ``Request`` objects): ``add``
+on the engine thread before its first sample (padding + prompt), ``fork`` a sibling before the
+parent's first token is appended, one ``append`` per step for every row sampled (before any of
+them is finished and released), ``release`` on finish, abort or error; nothing on preemption.
 """
 
 from __future__ import annotations
@@ -673,6 +678,17 @@ def plan_processors(
     if logit_bias:
         steps.insert(0, LogitBias(logit_bias))
     return ProcessorPlan.of(steps)
+
+
+def openai_options(config: GenerationConfig) -> dict[str, object]:
+    """``plan_processors``' OpenAI keywords from a GenerationConfig: ``GenerationConfig(presence_penalty=0.5,
+    frequency_penalty=0.2, logit_bias={50256: -100})`` keeps them as plain attributes (transformers
+    ignores them), so they travel with the request's config like its other options."""
+    return {
+        "presence_penalty": getattr(config, "presence_penalty", None) or 0.0,
+        "frequency_penalty": getattr(config, "frequency_penalty", None) or 0.0,
+        "logit_bias": getattr(config, "logit_bias", None) or None,
+    }
 
 
 def _batched(p: LogitsProcessor) -> BatchedProcessor:
