@@ -521,7 +521,8 @@ def _replay(model, prompts, eos: int | None, max_new_tokens: int = 6, stop_row: 
                                stopping_criteria=StoppingCriteriaList([criterion]))  # fmt: skip
     prepared = model._prepare_generation_config(config)[0]
     model._prepare_special_tokens(prepared, True)
-    batch = GenerateBatch.for_config(input_ids, prepared, max_new_tokens)
+    pads = prepared._eos_token_tensor is not None  # generate pads finished rows only with EOS criteria
+    batch = GenerateBatch(input_ids, max_new_tokens, int(prepared._pad_token_tensor) if pads else None)
     replay_criteria = StoppingCriteriaList([_StopRow(stop_row, width + stop_at_new)])
     for step, seen in enumerate(recorder.seen):
         assert torch.equal(batch.input_ids, seen), step  # what a caller's processor sees before sampling
@@ -563,3 +564,16 @@ def test_generate_batch_runs_a_callers_processor_once_on_the_batch(tiny_model) -
     no_eos.finish(0)
     with pytest.raises(ValueError, match="keep sampling"):
         no_eos.append([1], [3])
+
+
+def test_without_eos_generate_keeps_sampling_a_stopped_row(tiny_model) -> None:  # noqa: ANN001
+    """Why ``GenerateBatch`` refuses a row finished early with ``pad_token_id=None``: without EOS in
+    the criteria, transformers' generate keeps sampling a row a caller's criterion stopped."""
+    input_ids, mask = left_padded([[5, 6, 7], [8, 9]], pad=PAD)
+    config = GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+    free = tiny_model.generate(input_ids, attention_mask=mask, generation_config=config)
+    stopped = tiny_model.generate(
+        input_ids, attention_mask=mask, generation_config=config,
+        stopping_criteria=StoppingCriteriaList([_StopRow(1, input_ids.shape[1] + 1)]),
+    )  # fmt: skip
+    assert torch.equal(stopped, free) and not (free[1, input_ids.shape[1] + 1 :] == PAD).all()

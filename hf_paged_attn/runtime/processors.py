@@ -751,7 +751,9 @@ class GenerateBatch:
     reproduce: ``append`` then raises. (transformers defers the stop check by one step only on
     MPS; the extra step is undone and not reproduced here.)
 
-    The caller keeps the batch in step: ``append`` takes a token for every unfinished row at once.
+    ``pad_token_id``: the prepared config's ``_pad_token_tensor`` when its ``_eos_token_tensor`` is
+    set, else None. The caller keeps the batch in step: ``append`` takes a token for every
+    unfinished row at once.
     """
 
     def __init__(self, input_ids: torch.Tensor, max_new_tokens: int, pad_token_id: int | None) -> None:
@@ -763,13 +765,6 @@ class GenerateBatch:
         self.length = width
         self.pad_token_id = pad_token_id
         self.unfinished = torch.ones(batch, dtype=torch.bool)  # host
-
-    @classmethod
-    def for_config(cls, input_ids: torch.Tensor, config: GenerationConfig, max_new_tokens: int) -> GenerateBatch:
-        """From a prepared config (``_prepare_special_tokens`` ran): finished rows are padded iff EOS is set."""
-        pad = config._pad_token_tensor
-        pads = config._eos_token_tensor is not None and pad is not None
-        return cls(input_ids, max_new_tokens, int(pad) if pads else None)
 
     @property
     def batch_size(self) -> int:
