@@ -382,3 +382,7 @@ def test_bad_arguments(tok, compiler) -> None:  # noqa: ANN001
         m.fill_bitmask(torch.zeros(1, VOCAB // 32))
     with pytest.raises(ValueError, match="does not match the grammar"):
         compiler.matcher(StructuredSpec(regex="ab"), tokens=[5, 6, 7])
+    with pytest.raises(ValueError, match="1 bitmask rows for 2 logits rows"):
+        apply_bitmask(torch.zeros(2, VOCAB), compiler.allocate_bitmask(1))
+    with pytest.raises(ValueError, match="bitmask covers 4096 tokens, logits have 4097"):
+        apply_bitmask(torch.zeros(1, VOCAB + 1), compiler.allocate_bitmask(1))
