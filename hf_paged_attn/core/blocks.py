@@ -50,6 +50,8 @@ class BlockAllocator:
         self._empty: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # free but cached, LRU first
         self._ref_counts = [0] * num_blocks
+        self._group = [0] * num_blocks  # the attention group whose tables hold the block (core/layers.py)
+        self._used_in: dict[int, int] = {}  # blocks in use per group
         self._key_of: dict[int, PrefixKey] = {}
         self._cached: dict[PrefixKey, int] = {}
 
@@ -69,12 +71,17 @@ class BlockAllocator:
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 
+    def num_used_in(self, group: int) -> int:
+        """Blocks in use by attention group ``group``'s tables."""
+        return self._used_in.get(group, 0)
+
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= self.num_free_blocks
 
     # ------------------------------------------------------------------ holders
-    def allocate(self, num_blocks: int) -> list[int]:
-        """Take ``num_blocks`` free blocks, each with one holder (empty ones first, then evict)."""
+    def allocate(self, num_blocks: int, group: int = 0) -> list[int]:
+        """Take ``num_blocks`` free blocks for ``group``'s tables, each with one holder (empty ones
+        first, then evict)."""
         if not self.can_allocate(num_blocks):
             raise RuntimeError(f"asked for {num_blocks} blocks, only {self.num_free_blocks} free")
         blocks = []
@@ -85,7 +92,9 @@ class BlockAllocator:
                 block, _ = self._evictable.popitem(last=False)
                 self._forget(block)
             self._ref_counts[block] = 1
+            self._group[block] = group
             blocks.append(block)
+        self._used_in[group] = self._used_in.get(group, 0) + num_blocks
         return blocks
 
     def fork(self, blocks: list[int]) -> list[int]:
@@ -96,6 +105,7 @@ class BlockAllocator:
             if self._ref_counts[block] == 0:  # a cached block comes back into use
                 assert block in self._evictable, f"fork of free, uncached block {block}"
                 del self._evictable[block]
+                self._used_in[self._group[block]] = self._used_in.get(self._group[block], 0) + 1
             self._ref_counts[block] += 1
         return list(blocks)
 
@@ -107,6 +117,7 @@ class BlockAllocator:
             assert self._ref_counts[block] > 0, f"double free of block {block}"
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
+                self._used_in[self._group[block]] -= 1
                 if block in self._key_of:
                     self._evictable[block] = None
                 else:
@@ -157,3 +168,8 @@ class BlockAllocator:
         assert all(b in self._key_of for b in evictable), "an evictable block has no prefix key"
         assert all(self._cached[k] == b for b, k in self._key_of.items()), "prefix maps disagree"
         assert len(self._cached) == len(self._key_of)
+        used: dict[int, int] = {}
+        for block, count in enumerate(self._ref_counts):
+            if count:
+                used[self._group[block]] = used.get(self._group[block], 0) + 1
+        assert used == {g: n for g, n in self._used_in.items() if n}, "per-group use counts disagree"

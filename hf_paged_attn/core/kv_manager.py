@@ -56,6 +56,14 @@ class KVBlockManager:
     def groups(self) -> list[AttentionGroup]:
         return self.layers.groups
 
+    @property
+    def group_share(self) -> int:
+        """What one table would have: the blocks of ``PagedConfig.num_blocks`` (the pool holds this
+        many per group). Admission keeps every group within it, so a hybrid model admits a request
+        exactly when one table for every layer would have room, and per-group tables never preempt
+        more: the pool's slack (what sliding groups free) only lets admitted requests grow."""
+        return self.allocator.num_blocks // max(len(self.groups), 1)
+
     def tables(self, request: Request) -> list[list[int]]:
         """The request's block table of each group (group 0's is ``request.block_ids``)."""
         if len(self.groups) < 2:  # one group: the common case, called several times per request and step
@@ -97,8 +105,13 @@ class KVBlockManager:
             tables.append([RELEASED] * first + hits[first:num_hit])
         num_cached = num_hit * size
         num_new = min(len(tokens) - num_cached, budget)
-        needed = len(self.groups) * (blocks_for(num_cached + num_new, size) - num_hit)
-        if not self.allocator.can_allocate(needed + sum(self.allocator.num_evictable(t) for t in tables)):
+        new_per_group = blocks_for(num_cached + num_new, size) - num_hit
+        revived = [self.allocator.num_evictable(t) for t in tables]  # cached free blocks the hits take back
+        if not self.allocator.can_allocate(len(self.groups) * new_per_group + sum(revived)):
+            return False
+        if len(self.groups) > 1 and any(
+            self.allocator.num_used_in(g) + new_per_group + n > self.group_share for g, n in enumerate(revived)
+        ):
             return False
         for table, hits in zip(self.tables(request), tables):
             table[:] = self.allocator.fork(hits)
@@ -156,14 +169,14 @@ class KVBlockManager:
             needs.append((needed, copy))
         if not self.allocator.can_allocate(sum(n + c for n, c in needs)):
             return False
-        for table, (needed, copy) in zip(tables, needs):
+        for group, (table, (needed, copy)) in enumerate(zip(tables, needs)):
             if copy:
                 shared = table[cow_index]
-                (fresh,) = self.allocator.allocate(1)
+                (fresh,) = self.allocator.allocate(1, group)
                 self.allocator.free([shared])
                 table[cow_index] = fresh
                 self.copies.append((shared, fresh))
-            table.extend(self.allocator.allocate(needed))
+            table.extend(self.allocator.allocate(needed, group))
         return True
 
     def take_copies(self) -> list[tuple[int, int]]:

@@ -88,6 +88,18 @@ class LayerKinds:
         return len(self.groups[0].layers) if self.groups and self.groups[0].layers else 1
 
     @property
+    def layers_per_block(self) -> int:
+        """Layers whose K/V one allocator block holds: a group's when groups share one pool, else all."""
+        return self.num_slots if len(self.groups) > 1 else max(len(self.windows), 1)
+
+    def pool_blocks(self, num_blocks: int) -> int:
+        """Allocator blocks that hold the memory of ``num_blocks`` blocks in every layer
+        (``PagedConfig.num_blocks``' unit): ``num_blocks`` times the number of groups sharing the
+        pool. Per-group tables so only ever let more requests in, never fewer: a request needs at
+        most its one-table count in every group, and the pool has that many per group."""
+        return num_blocks * max(len(self.windows), 1) // self.layers_per_block
+
+    @property
     def uniform_window(self) -> int | None:
         """The window when every layer slides the same one, else None."""
         kinds = set(self.windows)

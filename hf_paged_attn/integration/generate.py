@@ -9,13 +9,12 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from transformers.generation.utils import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 
 from .. import transformers_private as hf
-from ..core.layers import LayerKinds
 from ..core.request import RequestOutput
 from ..parallel.tensor_parallel import is_driver, on_driver
 from ..runtime.config import PagedConfig
 from ..runtime.engine import ContinuousBatchingEngine
 from ..runtime.memory import blocks_for_batch
-from ..runtime.placement import input_device
+from ..runtime.placement import input_device, layer_kinds
 from ..runtime.sampling import RUN_ANYWAY
 
 _REFUSED = {  # generate() arguments with no meaning here, refused by name rather than ignored
@@ -87,9 +86,10 @@ def paged_generate(
     prompts, paddings = _unpad(input_ids, attention_mask)
     paged_config = paged_config or getattr(model, "paged_config", None) or PagedConfig()
     paged_config = paged_config.for_model(model)  # the engine's kernel and block size
-    groups = LayerKinds.from_config(model.config, paged_config.hybrid_kv).groups
     lengths = [len(p) for p in prompts]
-    exact_fit = blocks_for_batch(lengths, max_new_tokens, paged_config, groups, max(num_sequences, num_beams))
+    layers = layer_kinds(model, paged_config.hybrid_kv)  # the engine's groups
+    exact_fit = blocks_for_batch(lengths, max_new_tokens, paged_config, layers.groups, max(num_sequences, num_beams))
+    exact_fit = -(-exact_fit // layers.pool_blocks(1))  # in blocks of every layer, as PagedConfig.num_blocks
     # ``config`` is the engine's own (below): already prepared, so add_request does not prepare it again per prompt
     common = dict(max_new_tokens=max_new_tokens, logits_processor=logits_processor,
                   stopping_criteria=stopping_criteria, tokenizer=tokenizer)  # fmt: skip

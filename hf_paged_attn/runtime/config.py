@@ -21,8 +21,11 @@ class PagedConfig:
             minimum) and for torch on CUDA, 8 for torch on CPU (it halves the KV memory left
             unfilled at the end of each request's last block at no measured speed cost;
             benchmarks/README.md).
-        num_blocks: blocks per layer. ``None`` sizes the cache: ``model.generate`` sizes it to fit its
-            batch exactly; the engine otherwise takes ``memory_fraction`` of the free memory.
+        num_blocks: the memory of ``num_blocks`` blocks (``block_size`` tokens) in every layer, for
+            every model. Models with per-group tables (``hybrid_kv``) carve it into smaller blocks of
+            one attention group's layers, so the same memory lets at least as many requests in.
+            ``None`` sizes the cache: ``model.generate`` sizes it to fit its batch exactly; the
+            engine otherwise takes ``memory_fraction`` of the free memory.
         max_num_seqs: most requests running at once.
         max_batch_tokens: token budget of one step (decode tokens plus prefill chunks).
         kernel: ``"torch"``, ``"flash"``, ``"triton"`` or ``"auto"``: on CUDA flash-attn when it is

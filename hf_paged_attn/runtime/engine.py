@@ -16,7 +16,6 @@ from ..attention.step import build_step
 from ..core.blocks import BlockAllocator
 from ..core.intake import Intake
 from ..core.kv_manager import KVBlockManager
-from ..core.layers import LayerKinds
 from ..core.policy import POLICIES
 from ..core.request import Request, RequestOutput, validate_prompt
 from ..core.scheduler import Scheduler, SchedulerOutput
@@ -25,7 +24,7 @@ from .batch_api import BatchAPI
 from .beam import BeamGroup
 from .config import PagedConfig
 from .executor import Launcher, choose_launcher
-from .placement import input_device, layer_devices
+from .placement import input_device, layer_kinds
 from .sampling import make_sampling_params, resolve_max_new_tokens
 from .stats import EngineStats, StepCounters
 from .update import Updater
@@ -49,6 +48,7 @@ class ContinuousBatchingEngine(BatchAPI):
         num_blocks: int | None = None,
         launcher: Launcher | None = None,
     ) -> None:
+        """``num_blocks`` (or ``config.num_blocks``): the memory of that many blocks in every layer."""
         attn = hf.attn_implementation(model)
         if attn != "paged":
             raise ValueError(
@@ -62,10 +62,10 @@ class ContinuousBatchingEngine(BatchAPI):
         self.device = input_device(model)  # not model.device: with accelerate's offload that may be "meta"
         self.max_position_embeddings = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         self.backend = load_backend(config.kernel, self.device)
-        one_device = len(set(layer_devices(model))) == 1  # groups share page tensors, so one device
-        self.layers = LayerKinds.from_config(model.config, share_pages=config.hybrid_kv and one_device)
+        self.layers = layer_kinds(model, config.hybrid_kv)
         launcher = launcher or choose_launcher(model)
-        size = launcher.cache_size(model, config, self.layers, num_blocks or config.num_blocks)
+        wanted = num_blocks or config.num_blocks  # blocks in every layer; the allocator's are of one group's layers
+        size = launcher.cache_size(model, config, self.layers, self.layers.pool_blocks(wanted) if wanted else None)
         self.allocator = BlockAllocator(size.num_blocks, config.enable_prefix_caching)
         self.kv = KVBlockManager(self.allocator, config.block_size, self.layers, config.max_batch_tokens)
         policy = POLICIES[config.scheduling_policy]
@@ -118,10 +118,12 @@ class ContinuousBatchingEngine(BatchAPI):
         if (num_beams := config.num_beams or 1) > 1:
             request.group = BeamGroup(request, num_beams, int(config.num_return_sequences or 1))
         if not self.scheduler.can_ever_fit(request):
-            need = self.kv.blocks_needed(request, copies=num_beams)
+            per_layer = self.layers.pool_blocks(1)  # allocator blocks per block of every layer
+            need = -(-self.kv.blocks_needed(request, copies=num_beams) // per_layer)
             raise ValueError(
                 f"prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens} needs {need} blocks of "
-                f"{self.config.block_size} tokens; the whole cache has {self.allocator.num_blocks}"
+                f"{self.config.block_size} tokens; the whole cache has {self.allocator.num_blocks // per_layer} "
+                "(PagedConfig.num_blocks: blocks in every layer)"
             )
         return self.intake.add(request, request_id, num_siblings=max(int(config.num_return_sequences or 1) - 1, 0))
 

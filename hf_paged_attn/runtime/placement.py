@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from ..core.layers import LayerKinds
+
 
 def hook_device(module: torch.nn.Module) -> torch.device | None:
     """The execution device of the accelerate hook on ``module`` itself, or None without one.
@@ -86,6 +88,12 @@ def layer_devices(model: torch.nn.Module) -> list[torch.device]:
         if isinstance(idx, int) and 0 <= idx < num_layers and devices[idx] is None:
             devices[idx] = hooked[name] or own_device(module)
     return [d if d is not None else fallback for d in devices]
+
+
+def layer_kinds(model: torch.nn.Module, hybrid_kv: bool) -> LayerKinds:
+    """The attention groups an engine gives ``model``: per-group tables (``hybrid_kv``) need every
+    layer on one device, since the groups share page tensors."""
+    return LayerKinds.from_config(model.config, share_pages=hybrid_kv and len(set(layer_devices(model))) == 1)
 
 
 def kernel_device(model: torch.nn.Module) -> torch.device:

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 class EngineStats:
     num_running: int
     num_waiting: int
-    num_blocks: int
+    num_blocks: int  # the allocator's blocks, each holding block_size tokens of ``layers_per_block`` layers
     num_free_blocks: int
     peak_used_blocks: int
     num_preemptions: int
@@ -27,6 +27,9 @@ class EngineStats:
     kv_waste_at_peak: float  # reserved but unfilled slots / reserved slots, when most blocks were used
     num_prompt_tokens: int  # of admitted requests
     num_cached_tokens: int  # prompt tokens served from the prefix cache
+    # Layers one block holds: all of them, or one attention group's when a hybrid model's groups
+    # share the pool; ``num_blocks * layers_per_block / num_layers`` is PagedConfig.num_blocks' unit
+    layers_per_block: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -72,4 +75,5 @@ class StepCounters:
             kv_waste_at_peak=self.kv_waste_at_peak,
             num_prompt_tokens=kv.num_prompt_tokens,
             num_cached_tokens=kv.num_cached_tokens,
+            layers_per_block=kv.layers.layers_per_block,
         )
