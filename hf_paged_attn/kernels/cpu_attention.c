@@ -101,7 +101,8 @@ static inline void store(void *p, int64_t i, float f, int32_t dtype) {
  * error). Below -87 (and for -inf) the result is 0. */
 static inline float exp_nonpositive(float x) {
     float t = (x < -87.0f ? -87.0f : x) * 1.4426950408889634f;
-    float whole = floorf(t + 0.5f), f = t - whole;
+    /* round to nearest with 1.5 * 2^23 (floorf would not vectorise without -fno-trapping-math) */
+    float whole = (t + 12582912.0f) - 12582912.0f, f = t - whole;
     float p = 1.535336188319500e-4f;
     p = p * f + 1.339887440266574e-3f;
     p = p * f + 9.618437357674640e-3f;
@@ -109,10 +110,11 @@ static inline float exp_nonpositive(float x) {
     p = p * f + 2.402264791363012e-1f;
     p = p * f + 6.931472028550421e-1f;
     p = p * f + 1.0f;
-    int32_t bits = ((int32_t)whole + 127) << 23;
-    float power;
-    memcpy(&power, &bits, sizeof power);
-    return x < -87.0f ? 0.0f : p * power;
+    union {
+        int32_t i;
+        float f;
+    } power = {.i = ((int32_t)whole + 127) << 23}; /* a union, not memcpy: GCC vectorises this */
+    return x < -87.0f ? 0.0f : p * power.f;
 }
 
 /* cap * tanh(x / cap) through e^(-2|x|/cap) (vectorisable; libm's tanhf is not). The absolute error of a
@@ -140,6 +142,7 @@ typedef struct {
     uint32_t *vp;       /* [KC/2][Dp] value pairs (v_t[d], v_t+1[d]) (bf16 pairs kernels) */
     float *acc;         /* [Mp][Dp] output accumulators */
     float *mx, *l;      /* [Mp] running max and sum of each row */
+    float *top, *base, *total; /* [Mp] the many-rows softmax's per-row temporaries */
     int64_t *tok, *head, *qpos; /* [Mp] each row's query token, head and position */
     const float *krow[KC], *vrow[KC];     /* fp32 kernels: the chunk's key / value rows (pages or kf / vf) */
     const uint16_t *kb[KC], *vb[KC];      /* bf16 pages of the chunk's keys / values */
@@ -275,6 +278,7 @@ static int rows_init(Rows *r, int64_t max_rows, int64_t d) {
         KC / 2 * dp * 4,  /* vp */
         mp * dp * 4,      /* acc */
         mp * 4, mp * 4,   /* mx, l */
+        mp * 4, mp * 4, mp * 4, /* top, base, total */
         mp * 8, mp * 8, mp * 8,
     };
     size_t total = 0;
@@ -289,7 +293,8 @@ static int rows_init(Rows *r, int64_t max_rows, int64_t d) {
     char *p = tls_buffer;
     void **slots[] = {(void **)&r->qf, (void **)&r->qb, (void **)&r->qt, (void **)&r->qtp, (void **)&r->s,
                       (void **)&r->pp, (void **)&r->kf, (void **)&r->vf, (void **)&r->vp, (void **)&r->acc,
-                      (void **)&r->mx, (void **)&r->l, (void **)&r->tok, (void **)&r->head, (void **)&r->qpos};
+                      (void **)&r->mx, (void **)&r->l, (void **)&r->top, (void **)&r->base, (void **)&r->total,
+                      (void **)&r->tok, (void **)&r->head, (void **)&r->qpos};
     for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) {
         *slots[i] = p;
         p += round_up(sizes[i], 64);
@@ -350,68 +355,77 @@ static void rows_reset(Rows *r) {
     memset(r->acc, 0, sizeof(float) * r->mp * r->dp);
 }
 
-/* Scales (softcaps) and masks the chunk's scores [pos0, pos0 + n) and folds them into the running softmax:
- * afterwards s holds probabilities relative to the new running max (0 past n) and acc is rescaled. */
-static void rows_softmax(Rows *r, const Args *a, int64_t pos0, int64_t n, int32_t masked) {
-    const float scale = a->scale, cap = a->softcap;
-    const int64_t wl = a->window_left;
-    const int32_t causal = a->cu_q == NULL || a->causal;
-    const int64_t rs = r->many ? 1 : KC, ts = r->many ? r->mp : 1;
-    const int64_t rows = r->many ? r->mp : r->m;
-    for (int64_t i = 0; i < rows; i++) {
-        float *s = r->s + i * rs;
-        const int64_t qpos = i < r->m ? r->qpos[i] : r->qpos[r->m - 1];
-        float top = -INFINITY;
-        for (int64_t t = 0; t < n; t++) {
-            float x = s[t * ts] * scale;
-            if (cap > 0.0f) x = soft_cap(x, cap);
-            if (masked) {
-                const int64_t pos = pos0 + t;
-                if (r->invisible[t] || (causal && pos > qpos) || (wl >= 0 && pos < qpos - wl)) x = -INFINITY;
-            }
-            s[t * ts] = x;
-            top = x > top ? x : top;
-        }
-        const float old = r->mx[i], fresh = old > top ? old : top;
-        const float base = fresh == -INFINITY ? 0.0f : fresh; /* nothing visible yet: every p is 0 */
-        float total = 0.0f;
-        for (int64_t t = 0; t < n; t++) {
-            const float p = exp_nonpositive(s[t * ts] - base);
-            s[t * ts] = p;
-            total += p;
-        }
-        for (int64_t t = n; t < KC; t++) s[t * ts] = 0.0f;
-        const float alpha = exp_nonpositive(old - base);
-        r->l[i] = r->l[i] * alpha + total;
-        r->mx[i] = fresh;
-        if (alpha != 1.0f) {
-            float *o = r->acc + i * r->dp;
-            for (int64_t x = 0; x < r->dp; x++) o[x] *= alpha;
-        }
+/* exp(s[t] - base) in place for t < n, zeros up to KC; returns their sum. */
+static inline float exp_row(float *restrict s, int64_t n, float base) {
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < n; t++) {
+        const float p = exp_nonpositive(s[t] - base);
+        s[t] = p;
+        total += p;
+    }
+    for (int64_t t = n; t < KC; t++) s[t] = 0.0f;
+    return total;
+}
+
+static inline void scale_row(float *restrict s, int64_t n, float scale, float cap) {
+    if (cap > 0.0f) {
+#pragma omp simd
+        for (int64_t t = 0; t < n; t++) s[t] = soft_cap(s[t] * scale, cap);
+    } else {
+#pragma omp simd
+        for (int64_t t = 0; t < n; t++) s[t] *= scale;
     }
 }
 
-/* The many-rows layout as above, vectorised over the rows (a row's scores are strided there). */
+static inline void rescale(float *restrict o, int64_t n, float alpha) {
+#pragma omp simd
+    for (int64_t x = 0; x < n; x++) o[x] *= alpha;
+}
+
+/* Scales (softcaps) and masks the chunk's scores [pos0, pos0 + n) and folds them into the running softmax:
+ * afterwards s holds probabilities relative to the new running max (0 past n) and acc is rescaled.
+ * Few-rows layout: s[i][t]. */
+static void rows_softmax(Rows *r, const Args *a, int64_t pos0, int64_t n, int32_t masked) {
+    const int64_t wl = a->window_left;
+    const int32_t causal = a->cu_q == NULL || a->causal;
+    for (int64_t i = 0; i < r->m; i++) {
+        float *restrict s = r->s + i * KC;
+        scale_row(s, n, a->scale, a->softcap);
+        if (masked) {
+            const int64_t qpos = r->qpos[i];
+            for (int64_t t = 0; t < n; t++) {
+                const int64_t pos = pos0 + t;
+                if (r->invisible[t] || (causal && pos > qpos) || (wl >= 0 && pos < qpos - wl)) s[t] = -INFINITY;
+            }
+        }
+        float top = -INFINITY;
+#pragma omp simd reduction(max : top)
+        for (int64_t t = 0; t < n; t++) top = s[t] > top ? s[t] : top;
+        const float old = r->mx[i], fresh = old > top ? old : top;
+        const float base = fresh == -INFINITY ? 0.0f : fresh; /* nothing visible yet: every p is 0 */
+        const float total = exp_row(s, n, base);
+        const float alpha = exp_nonpositive(old - base);
+        r->l[i] = r->l[i] * alpha + total;
+        r->mx[i] = fresh;
+        if (alpha != 1.0f) rescale(r->acc + i * r->dp, r->dp, alpha);
+    }
+}
+
+/* The many-rows layout (s[t][i]): as above, vectorised over the rows. */
 static void rows_softmax_many(Rows *r, const Args *a, int64_t pos0, int64_t n, int32_t masked) {
-    const float scale = a->scale, cap = a->softcap;
     const int64_t wl = a->window_left, mp = r->mp;
     const int32_t causal = a->cu_q == NULL || a->causal;
-    float top[mp], base[mp], total[mp];
+    float *restrict top = r->top, *restrict base = r->base, *restrict total = r->total;
     for (int64_t i = 0; i < mp; i++) {
         top[i] = -INFINITY;
         total[i] = 0.0f;
     }
     for (int64_t t = 0; t < n; t++) {
-        float *s = r->s + t * mp;
-        const int64_t pos = pos0 + t;
-        if (cap > 0.0f) {
-#pragma omp simd
-            for (int64_t i = 0; i < mp; i++) s[i] = soft_cap(s[i] * scale, cap);
-        } else {
-#pragma omp simd
-            for (int64_t i = 0; i < mp; i++) s[i] *= scale;
-        }
+        float *restrict s = r->s + t * mp;
+        scale_row(s, mp, a->scale, a->softcap);
         if (masked) {
+            const int64_t pos = pos0 + t;
             if (r->invisible[t]) {
                 for (int64_t i = 0; i < mp; i++) s[i] = -INFINITY;
             } else {
@@ -430,11 +444,12 @@ static void rows_softmax_many(Rows *r, const Args *a, int64_t pos0, int64_t n, i
         top[i] = fresh;
     }
     for (int64_t t = 0; t < n; t++) {
-        float *s = r->s + t * mp;
+        float *restrict s = r->s + t * mp;
 #pragma omp simd
         for (int64_t i = 0; i < mp; i++) {
-            s[i] = exp_nonpositive(s[i] - base[i]);
-            total[i] += s[i];
+            const float p = exp_nonpositive(s[i] - base[i]);
+            s[i] = p;
+            total[i] += p;
         }
     }
     for (int64_t t = n; t < KC; t++) memset(r->s + t * mp, 0, sizeof(float) * mp);
@@ -442,10 +457,7 @@ static void rows_softmax_many(Rows *r, const Args *a, int64_t pos0, int64_t n, i
         const float alpha = exp_nonpositive(r->mx[i] - base[i]);
         r->l[i] = r->l[i] * alpha + total[i];
         r->mx[i] = top[i];
-        if (alpha != 1.0f) {
-            float *o = r->acc + i * r->dp;
-            for (int64_t x = 0; x < r->dp; x++) o[x] *= alpha;
-        }
+        if (alpha != 1.0f) rescale(r->acc + i * r->dp, r->dp, alpha);
     }
 }
 

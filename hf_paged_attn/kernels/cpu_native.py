@@ -141,7 +141,7 @@ def library() -> ctypes.CDLL | None:
                 _library = lib
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 _failed = True
-                logger.warning("hf_paged_attn: the native CPU attention kernels are unavailable, using torch ops: %s", exc)
+                logger.warning("hf_paged_attn: the native CPU attention kernels are unavailable (torch ops): %s", exc)
     return _library
 
 
