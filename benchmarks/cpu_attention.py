@@ -121,7 +121,8 @@ def bench_decode(shape: str, dtype: torch.dtype, batch: int, context: int, old, 
         fns["old"] = lambda: old(q, k_cache, v_cache, lens, table, scale, threads)
     ms = compare(fns, reps)
     ratio = f"{ms['old'] / ms['new']:5.2f}x" if "old" in ms else "  -  "
-    print(f"decode  {shape:8s} {str(dtype)[6:]:8s} B={batch:3d} ctx={context:5d}  old {ms.get('old', float('nan')):8.3f}"
+    old_ms = ms.get("old", float("nan"))
+    print(f"decode  {shape:8s} {str(dtype)[6:]:8s} B={batch:3d} ctx={context:5d}  old {old_ms:8.3f}"
           f"  new {ms['new']:8.3f}  portable {ms['portable']:8.3f}  old/new {ratio}")  # fmt: skip
 
 
@@ -192,9 +193,11 @@ def bench_shared_prefix(shape: str, dtype: torch.dtype, reps: int, old) -> None:
         fns["old"] = lambda: old(q, k_cache, v_cache, lens, table, scale, threads)
     ms = compare(fns, reps)
     new(True)()
-    print(f"shared  {shape:8s} {str(dtype)[6:]:8s} 64 x (512 shared + 32 own) groups={info['groups']}  "
-          + "  ".join(f"{k} {v:8.3f}" for k, v in ms.items())
-          + f"  ungrouped/grouped {ms['ungrouped'] / ms['grouped']:5.2f}x")
+    print(
+        f"shared  {shape:8s} {str(dtype)[6:]:8s} 64 x (512 shared + 32 own) groups={info['groups']}  "
+        + "  ".join(f"{k} {v:8.3f}" for k, v in ms.items())
+        + f"  ungrouped/grouped {ms['ungrouped'] / ms['grouped']:5.2f}x"
+    )
 
 
 def main() -> None:
