@@ -46,8 +46,9 @@ ISAS = {"best": 0, "portable": 1, "avx512": 2, "avx512bf16": 3}  # Args.isa
 MAX_HEAD_DIM = 512
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # Multiply-adds of one call above which its tasks go to the kernel's thread pool (torch's thread count):
-# waking a sleeping worker costs ~10-50 us, which a small decode step does not repay.
-_THREADED_WORK = 1 << 19
+# waking a sleeping worker costs ~10-50 us, which a small call does not repay. On the shared 2-core machine
+# of benchmarks/README.md a second thread cost ~10% at 1M (~0.1 ms calls) and broke even at 4M.
+_THREADED_WORK = 1 << 21
 
 
 class _Args(ctypes.Structure):
@@ -166,16 +167,20 @@ def _pointer(t: torch.Tensor | None) -> int | None:
 
 
 def _readable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *index: torch.Tensor) -> bool:
-    """Whether the C code reads these tensors as they are (else the caller falls back to torch ops)."""
-    return (
-        all(t.dtype == q.dtype for t in (k_cache, v_cache))
+    """Whether the C code reads these tensors as they are (else the caller falls back to torch ops). Plain
+    ``and`` chains, no generators: this runs at every layer of every step."""
+    ok = (
+        k_cache.dtype == q.dtype
+        and v_cache.dtype == q.dtype
         and q.stride(-1) == 1
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
         and q.shape[-1] <= MAX_HEAD_DIM
         and q.shape[-2] % k_cache.shape[2] == 0
-        and all(t.dtype == torch.int32 and t.is_contiguous() for t in index)
     )
+    for t in index:
+        ok = ok and t.dtype == torch.int32 and t.is_contiguous()
+    return ok
 
 
 def paged_decode(
@@ -213,21 +218,21 @@ def paged_decode(
     if (
         k_cache.shape != v_cache.shape
         or k_cache.shape[3] != d
-        or tuple(cache_seqlens.shape) != (b,)
+        or cache_seqlens.shape != (b,)
         or block_table.dim() != 2
         or block_table.shape[0] != b
-        or any(tuple(t.shape) != (b, hk, d) for t in new)
+        or (appended and (new[0].shape != (b, hk, d) or new[1].shape != (b, hk, d)))
     ):
         raise ValueError(
             f"paged decode: shapes do not agree: q {tuple(q.shape)}, pages {tuple(k_cache.shape)} / "
             f"{tuple(v_cache.shape)}, cache_seqlens {tuple(cache_seqlens.shape)}, block_table "
             f"{tuple(block_table.shape)}, new K/V {[tuple(t.shape) for t in new]}"
         )
-    if (
-        not _readable(q, k_cache, v_cache, cache_seqlens, block_table)
-        or any(t.dtype != q.dtype or t.stride(-1) != 1 for t in new)
-        or (appended and new[0].stride() != new[1].stride())
-    ):
+    if not _readable(q, k_cache, v_cache, cache_seqlens, block_table) or (
+        appended
+        and (new[0].dtype != q.dtype or new[1].dtype != q.dtype or new[0].stride(-1) != 1
+             or new[0].stride() != new[1].stride())
+    ):  # fmt: skip
         return None
     sinks = sinks.float().contiguous() if sinks is not None else None
     out = torch.empty(b, 1, h, d, dtype=q.dtype)
