@@ -267,7 +267,7 @@ def paged_prefill(
     window_left: int,
     softcap: float,
     sinks: torch.Tensor | None,
-    max_seqlen_q: int,
+    max_seqlen_q: int | None,
     *,
     causal: bool = True,
     isa: str | None = None,
@@ -275,8 +275,9 @@ def paged_prefill(
     """``paged_prefill_attention`` (torch backend semantics) in native code, or None when it cannot take this
     call. q [total_q, H, D] packed by ``cu_seqlens_q`` int32 [B + 1]; request b attends to its first
     ``seqused_k[b]`` keys (int32 [B]) through ``block_table`` int32 [B, W], its queries aligned to the end
-    of them (bottom-right causal); rows of requests without keys are zeros. ``max_seqlen_q`` sizes the
-    threading only. Returns [total_q, H, D] in q.dtype."""
+    of them (bottom-right causal; ``causal=False``: every key, the window still counted from the bottom-right
+    position, i.e. flash-attn's ``window_size=(window_left, -1)``); rows of requests without keys are zeros.
+    ``max_seqlen_q`` (None: unknown) sizes the threading only. Returns [total_q, H, D] in q.dtype."""
     dtype = _DTYPES.get(q.dtype)
     if dtype is None or q.device.type != "cpu" or (lib := library()) is None:
         return None
@@ -298,7 +299,8 @@ def paged_prefill(
         return None
     sinks = sinks.float().contiguous() if sinks is not None else None
     out = torch.empty(total, h, d, dtype=q.dtype)
-    threads = torch.get_num_threads() if total * h * d * max(max_seqlen_q, 1) > _THREADED_WORK else 1
+    keys = max_seqlen_q if max_seqlen_q else total  # each query sees about its prompt's length of keys
+    threads = torch.get_num_threads() if total * h * d * keys > _THREADED_WORK else 1
     args = _Args(
         q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), None, None,
         seqused_k.data_ptr(), cu_seqlens_q.data_ptr(), block_table.data_ptr(), _pointer(sinks),
