@@ -204,7 +204,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--reps", type=int, default=15)
-    parser.add_argument("--old-rev", default="arch", help="git revision holding the previous cpu_decode.c")
+    parser.add_argument("--old-rev", default="6dfb6fa", help="git revision holding the previous cpu_decode.c")
     parser.add_argument("--quick", action="store_true", help="the demo model's shapes only")
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
