@@ -1,7 +1,9 @@
 """The torch backend's varlen path, reading the pages (the cache writes a step's new K/V with
-``write_kv`` and gathers nothing). On CPU, requests that feed one token in a mixed step (decodes
-next to a prefill) are attended in place by the native decode kernel; the prefilling requests'
-visible keys are gathered from the pages and attended by ``varlen_attention``.
+``write_kv``). On CPU the native kernel (``cpu_native.paged_prefill``) attends every request in
+place, tiled flash-attention style. Where it can't run (no C compiler, float16,
+``HF_PAGED_ATTN_NATIVE=0``, CUDA), requests that feed one token in a mixed step are attended by the
+native decode kernel if it can, and the prefilling requests' visible keys are gathered from the
+pages and attended by ``varlen_attention``.
 """
 
 from __future__ import annotations
@@ -96,6 +98,14 @@ def paged_prefill_attention(
     q [total_q, H, D], pages [num_blocks, block_size, H_kv, D], block_table int32 [B, W].
     ``max_seqlen_k`` is accepted for the protocol only. ``memo``: the forward's dict, as in
     ``paged_decode_attention``. Returns [total_q, H, D] in q.dtype."""
+    # The native kernel ignores the right side of a window, which only a non-causal call sees.
+    if q.device.type == "cpu" and (causal or window_size[1] < 0):
+        if max_seqlen_q is None:
+            max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if cu_seqlens_q.numel() > 1 else 0
+        out = cpu_native.paged_prefill(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, softmax_scale,
+                                       window_size[0], softcap, sinks, max_seqlen_q, causal=causal)  # fmt: skip
+        if out is not None:
+            return out
     block_size = k_cache.shape[1]
     window = tuple(window_size)
     native_dtype = q.dtype in (torch.float32, torch.bfloat16)
