@@ -304,8 +304,9 @@ def parse(model: type[_Sampling], body: Any, limits: RequestLimits | None = None
 
 def _as_api_error(exc: ValidationError) -> APIError:
     errors = exc.errors(include_url=False, include_context=False)
-    first = errors[0]
-    loc = [_name(part) for part in first["loc"] if not isinstance(part, int)]
+    # Of a union's errors (one per form tried), the one that got furthest into the value says most.
+    first = max(errors, key=lambda e: len([p for p in e["loc"] if not _is_union_tag(p)]))
+    loc = [_name(part) for part in first["loc"] if not isinstance(part, int) and not _is_union_tag(part)]
     param = loc[0] if loc else None
     if first["type"] == "extra_forbidden":
         names = sorted({_name(e["loc"][0]) for e in errors if e["type"] == "extra_forbidden" and len(e["loc"]) == 1})
@@ -313,12 +314,20 @@ def _as_api_error(exc: ValidationError) -> APIError:
             more = f" (and {len(names) - 8} more)" if len(names) > 8 else ""
             message = f"unsupported option(s): {', '.join(names[:8])}{more}"
             return APIError(400, message, names[0], "unsupported_parameter")
-    where = ".".join(_name(part) for part in first["loc"])
+    where = ".".join(_name(part) for part in first["loc"] if not _is_union_tag(part))
     if first["type"] == "missing":
         return APIError(400, f"missing required field {where!r}", param, "missing_field")
     if first["type"] == "prompt":  # our own validator's message says it all
         return APIError(400, first["msg"], param, "invalid_value")
     return APIError(400, f"{where}: {first['msg']} (got {short(first.get('input'))})", param, "invalid_value")
+
+
+_TAGS = {"str", "int", "float", "bool", "none", "constrained-str", "constrained-int", "constrained-float"}
+
+
+def _is_union_tag(part: Any) -> bool:
+    """pydantic's name for a union member in an error location ('str', 'list[str]', ...): no field's name."""
+    return isinstance(part, str) and (part in _TAGS or "[" in part)
 
 
 def _name(part: Any) -> str:
