@@ -115,7 +115,7 @@ class Handlers:
             rest = self.context_length - len(prompt)
             limit = min(self.generation_config.max_new_tokens or rest, rest) if rest > 0 else 1
         top = (req.top_logprobs or 0) if req.logprobs else None
-        job = self._job(req, [prompt], [limit], top)
+        job = self._job(req, [prompt], [limit], top, prompt_param="messages")
         run = self._start(job)
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.settings.model_name}
         if req.stream:
@@ -179,13 +179,14 @@ class Handlers:
             raise APIError(400, message, "messages", "invalid_messages") from None
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template writes its own BOS
 
-    def _job(self, req: Any, prompts: list[list[int]], limits: list[int], top_logprobs: int | None) -> Job:
+    def _job(self, req: Any, prompts: list[list[int]], limits: list[int], top_logprobs: int | None,
+             prompt_param: str = "prompt") -> Job:
         for prompt, limit in zip(prompts, limits):
             if len(prompt) + limit > self.context_length:
                 raise APIError(
                     400, f"this model's maximum context length is {self.context_length} tokens; the request asks "
                     f"for {len(prompt) + limit} ({len(prompt)} in the prompt, {limit} to generate)",
-                    "prompt" if len(prompt) >= self.context_length else "max_tokens", "context_length_exceeded",
+                    prompt_param if len(prompt) >= self.context_length else "max_tokens", "context_length_exceeded",
                 )
         kwargs: dict[str, Any] = {}
         changes = self._sampling_changes(req)

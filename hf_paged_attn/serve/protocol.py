@@ -290,6 +290,9 @@ def parse(model: type[_Sampling], body: Any, limits: RequestLimits | None = None
     With ``limits``, the model- and server-dependent bounds are checked too."""
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    for key in body:  # pydantic cannot name a field whose name it cannot read
+        if not key.isascii() and _name(key) != key[:64] + ("..." if len(key) > 64 else ""):
+            raise APIError(400, f"field name {short(key)} is not valid Unicode", _name(key), "invalid_value")
     try:
         request = model.model_validate(body)
     except ValidationError as exc:
@@ -333,4 +336,5 @@ def _is_union_tag(part: Any) -> bool:
 def _name(part: Any) -> str:
     """A location part (a field name, a list index, a map key the client chose) for a message."""
     text = str(part)
-    return text if len(text) <= 64 else text[:64] + "..."
+    text = text if len(text) <= 64 else text[:64] + "..."
+    return text.encode("utf-8", "backslashreplace").decode()  # a lone surrogate as its escape
