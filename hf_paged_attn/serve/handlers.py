@@ -24,6 +24,7 @@ from fastapi.responses import StreamingResponse
 from transformers import GenerationConfig
 
 from .body import check_content_type, parse_json, read_body
+from .chat import chat_prompt_ids
 from .engine_loop import EngineLoop
 from .errors import APIError, dumps, json_response, short
 from .jobs import ChoiceEvent, Job, JobRun, TokenInfo
@@ -170,14 +171,7 @@ class Handlers:
             raise APIError(400, "this model has no chat template; start the server with --chat-template FILE",
                            "messages", "no_chat_template")
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, chat_template=template, add_generation_prompt=True, tokenize=False
-            )
-        except Exception as exc:  # a template may raise on messages it does not accept (jinja's raise_exception)
-            message = f"the chat template refused the messages: {exc}"
-            raise APIError(400, message, "messages", "invalid_messages") from None
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template writes its own BOS
+        return chat_prompt_ids(self.tokenizer, messages, template)  # control-token text in a message stays text
 
     def _job(self, req: Any, prompts: list[list[int]], limits: list[int], top_logprobs: int | None,
              prompt_param: str = "prompt") -> Job:
