@@ -61,9 +61,11 @@ async def read_body(request: Request, max_bytes: int, timeout: float | None) -> 
 
 
 def _too_large(max_bytes: int, detail: str) -> APIError:
-    # Connection: close, since the rest of the body is not read: the connection cannot carry another request.
+    # No Connection: close: closing a socket with unread data in it resets the connection, and a client
+    # still sending its body would see the reset, not this answer. uvicorn reads and drops the rest of
+    # the body (memory stays flat), then the connection serves the next request.
     return APIError(413, f"the request body is larger than this server accepts ({max_bytes} bytes; {detail})",
-                    None, "request_too_large", {"Connection": "close"})
+                    None, "request_too_large")
 
 
 def parse_json(data: bytes) -> Any:
