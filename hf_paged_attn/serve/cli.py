@@ -59,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     lim.add_argument("--max-prompt-chars", type=int,
                      help=f"most characters in a prompt (chat: all messages), checked before tokenizing "
                           f"(default: {CHARS_PER_TOKEN} x the model's context length)")
+    lim.add_argument("--http", choices=("auto", "httptools", "h11"), default="auto",
+                     help="uvicorn's HTTP parser: httptools (auto, when installed) is faster; h11 caps request "
+                          f"headers at {MAX_HEADER_BYTES // 1024} KiB (431 past it), httptools has no cap")
     lim.add_argument("--timeout-keep-alive", type=float, default=5.0,
                      help="seconds an idle keep-alive connection stays open (default: %(default)s)")
     lim.add_argument("--limit-concurrency", type=int,
@@ -188,10 +191,11 @@ def main(argv: list[str] | None = None) -> int:
 
     config = uvicorn.Config(
         app, log_level=args.log_level if args.log_level == "debug" else "warning", access_log=False,
-        lifespan="on", timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency or None,
+        lifespan="on", http=args.http, timeout_keep_alive=args.timeout_keep_alive,
+        limit_concurrency=args.limit_concurrency or None,
         # after the drain deadline, the aborted streams get this long to send their last events
         timeout_graceful_shutdown=math.ceil(args.drain_timeout) + DRAIN_GRACE_S,
-        h11_max_incomplete_event_size=MAX_HEADER_BYTES,  # with --http h11; httptools has no such limit
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,  # with --http h11; httptools has no such bound
     )
     # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal to the handler found before it
     # started: make that one a no-op so a drained shutdown exits 0.
