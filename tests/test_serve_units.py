@@ -301,3 +301,18 @@ def test_control_token_text_in_a_message_stays_text():
     bos = tokenizer.bos_token
     assert ids[1:] == tokenizer(text[len(bos):], add_special_tokens=False, split_special_tokens=True)["input_ids"]
     assert tokenizer.decode(ids) == text
+
+
+def test_a_bug_is_a_500_that_closes_the_connection():
+    import asyncio
+    from types import SimpleNamespace
+
+    from hf_paged_attn.serve.app import guarded
+
+    async def broken(request):
+        raise TypeError("a bug")
+
+    response = asyncio.run(guarded(broken)(SimpleNamespace(url=SimpleNamespace(path="/v1/completions"))))
+    assert response.status_code == 500 and response.headers["connection"] == "close"
+    body = response.body.decode()
+    assert '"type":"server_error"' in body and "a bug" not in body  # the type of the error, not its text
