@@ -8,7 +8,11 @@ from dataclasses import dataclass
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # 4 MiB: a prompt of about a million characters, or ~500k token ids
 DEFAULT_BODY_TIMEOUT_S = 60.0  # for a POST body to arrive (408 after)
 CHARS_PER_TOKEN = 32  # default prompt bound, in characters per token of the model's context: far above real text
-TOKENIZER_THREADS = 2  # JSON, validation, chat template and tokenizer run here, off the event loop
+# JSON, validation, the chat template and the tokenizer run in this many threads, off the event loop. One:
+# transformers flips the Rust tokenizer's state (``encode_special_tokens`` for split_special_tokens=True,
+# truncation, padding) before encoding, and the Rust tokenizer refuses a change ("Already borrowed") while
+# another thread encodes with the GIL released; in one thread every call sees its own settings.
+TOKENIZER_THREADS = 1
 DRAIN_GRACE_S = 5  # after the drain deadline aborts every request, for the streams to send their last events
 MAX_HEADER_BYTES = 64 << 10  # uvicorn's h11 parser (--http h11); httptools has no such bound
 
