@@ -39,7 +39,9 @@ class EngineLoop:
         self.stats = engine.stats  # refreshed by the engine thread after every step
         self._cond = threading.Condition()
         self._live: set[str] = set()  # submitted and not yet seen finished (guarded by _cond)
-        self._stopping = False
+        self._stopping = False  # the thread ends once nothing is left
+        self._closed = False  # no new requests (draining past its deadline, or stopping)
+        self._reasons: dict[str, str] = {}  # aborted ids -> the finish reason the metrics count (guarded by _cond)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._subscribers: dict[str, _Subscriber] = {}  # event-loop thread only
@@ -59,7 +61,7 @@ class EngineLoop:
         """Queue one request; its outputs arrive on ``queue`` as ``(tag, RequestOutput)``.
         The engine's ValueError for bad input propagates and nothing is queued."""
         with self._cond:  # held across add_request: the thread cannot see the output before _live has the id
-            if self._stopping:
+            if self._stopping or self._closed:
                 raise RuntimeError("the server is shutting down")
             request_id = self.engine.add_request(list(input_ids), **kwargs)
             self._live.add(request_id)
@@ -69,10 +71,14 @@ class EngineLoop:
             self.metrics.prompt_tokens.inc(len(input_ids))
         return request_id
 
-    def abort(self, request_id: str) -> None:
-        """Stop delivering ``request_id``'s outputs and cancel it; its blocks free at the next step."""
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Stop delivering ``request_id``'s outputs and cancel it; its blocks free at the next step.
+        ``reason``: what the metrics count it as ("stop" when the server found a stop sequence)."""
         if self._subscribers.pop(request_id, None) is None:
             return  # already finished and delivered
+        if reason != "abort":
+            with self._cond:
+                self._reasons[request_id] = reason
         try:
             self.engine.abort(request_id)
         except ValueError:  # finished in the engine meanwhile
@@ -108,13 +114,16 @@ class EngineLoop:
                 logger.exception("engine step failed; failing every unfinished request")
                 outputs = self._fail_all(exc)
             with self._cond:
+                relabel = {}
                 for out in outputs:
                     if out.finished:
                         self._live.discard(out.request_id)
+                        if out.request_id in self._reasons:
+                            relabel[out.request_id] = self._reasons.pop(out.request_id)
             try:  # bookkeeping must never stop the thread: every open request would hang
                 self.stats = self.engine.stats
                 if self.metrics:
-                    self.metrics.record_step(outputs)
+                    self.metrics.record_step(outputs, relabel)
             except Exception:
                 logger.exception("updating the metrics failed")
             if outputs:
@@ -135,10 +144,11 @@ class EngineLoop:
             outputs.append(RequestOutput(request_id, [], [], [], True, "error", f"{type(exc).__name__}: {exc}"))
         return outputs
 
-    def stop(self, timeout: float) -> bool:
-        """Abort what is left, let the thread finish the aborts and exit; True if it did in time."""
+    def abort_all(self) -> int:
+        """Refuse new requests and abort every unfinished one; their subscribers still get the final
+        ``"abort"`` output (a stream ends with an error event). Returns how many were aborted."""
         with self._cond:
-            self._stopping = True
+            self._closed = True
             ids = list(self._live)
             self._cond.notify()
         for request_id in ids:
@@ -146,6 +156,13 @@ class EngineLoop:
                 self.engine.abort(request_id)
             except ValueError:
                 pass
+        return len(ids)
+
+    def stop(self, timeout: float) -> bool:
+        """Abort what is left, let the thread finish the aborts and exit; True if it did in time."""
+        with self._cond:
+            self._stopping = True
+        self.abort_all()
         if self._thread is None:
             return True
         self._thread.join(timeout)

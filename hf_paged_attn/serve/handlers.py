@@ -11,20 +11,27 @@ from __future__ import annotations
 import asyncio
 import copy
 import inspect
-import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from transformers import GenerationConfig
 
+from .body import check_content_type, parse_json, read_body
+from .chat import chat_prompt_ids
 from .engine_loop import EngineLoop
+from .errors import APIError, dumps, json_response, short
 from .jobs import ChoiceEvent, Job, JobRun, TokenInfo
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, parse
+from .limits import CHARS_PER_TOKEN, DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, TOKENIZER_THREADS, RequestLimits
+from .protocol import ChatCompletionRequest, CompletionRequest, parse
+
+logger = logging.getLogger("hf_paged_attn.serve")
 
 
 @dataclass
@@ -33,9 +40,26 @@ class ServeSettings:
     api_key: str | None = None
     max_queue: int = 512  # engine requests (choices) admitted at once, running + waiting; more get 429
     chat_template: str | None = None  # overrides the tokenizer's
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a larger POST body gets 413
+    body_timeout: float | None = DEFAULT_BODY_TIMEOUT_S  # seconds for a POST body to arrive; then 408
+    max_prompt_chars: int | None = None  # characters of a prompt (chat: all messages); None: CHARS_PER_TOKEN x context
+
+    def __post_init__(self) -> None:
+        for name in ("max_queue", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
+            raise ValueError(f"max_prompt_chars must be >= 1 or None, got {self.max_prompt_chars}")
+        if self.body_timeout is not None and not self.body_timeout > 0:
+            raise ValueError(f"body_timeout must be > 0 or None, got {self.body_timeout}")
 
 
 class Handlers:
+    """The two POST endpoints. Everything a request costs before the engine (JSON, validation,
+    tokenizing, the chat template) runs in a small thread pool, never on the event loop: /health
+    and the streams of other requests go on while a long prompt is tokenized (the Rust tokenizer
+    releases the GIL)."""
+
     def __init__(self, loop: EngineLoop, tokenizer: Any, settings: ServeSettings) -> None:
         self.loop = loop
         self.tokenizer = tokenizer
@@ -44,13 +68,28 @@ class Handlers:
         self.generation_config: GenerationConfig = engine.generation_config
         text_config = engine.model.config.get_text_config()
         self.context_length = int(getattr(text_config, "max_position_embeddings", None) or tokenizer.model_max_length)
+        self.limits = RequestLimits(
+            vocab_size=int(getattr(text_config, "vocab_size", None) or len(tokenizer)),
+            max_prompt_chars=settings.max_prompt_chars or CHARS_PER_TOKEN * self.context_length,
+            max_choices=settings.max_queue,
+        )
         self.engine_options = set(inspect.signature(engine.add_request).parameters)
+        tokenizer("warm up", add_special_tokens=False)  # its first call may set state; later calls only read it
+        self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="hf-paged-tokenize")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def _body(self, request: Request) -> bytes:
+        check_content_type(request)
+        return await read_body(request, self.settings.max_body_bytes, self.settings.body_timeout)
 
     # ----------------------------------------------------------------------------- endpoints
     async def completions(self, request: Request) -> Any:
-        req: CompletionRequest = parse(CompletionRequest, await _json(request))
-        self._check_model(req.model)
-        prompts, texts = self._completion_prompts(req.prompt)
+        req, prompts, texts = await self._off_loop(self._prepare_completion, await self._body(request))
         limit = req.max_tokens if req.max_tokens is not None else 16  # an explicit null: OpenAI's default
         job = self._job(req, prompts, [limit] * len(prompts), req.logprobs)
         echo = texts if req.echo else [""] * len(prompts)
@@ -68,18 +107,16 @@ class Handlers:
             choices.append({"index": choice.index, "text": echo[choice.prompt_index] + text,
                             "logprobs": logprobs if req.logprobs is not None else None,
                             "finish_reason": choice.finish_reason})
-        return {**meta, "object": "text_completion", "choices": choices, "usage": _usage(job)}
+        return json_response({**meta, "object": "text_completion", "choices": choices, "usage": _usage(job)})
 
     async def chat(self, request: Request) -> Any:
-        req: ChatCompletionRequest = parse(ChatCompletionRequest, await _json(request))
-        self._check_model(req.model)
-        prompt = self._chat_prompt(req)
+        req, prompt = await self._off_loop(self._prepare_chat, await self._body(request))
         limit = req.token_limit()
         if limit is None:
             rest = self.context_length - len(prompt)
             limit = min(self.generation_config.max_new_tokens or rest, rest) if rest > 0 else 1
         top = (req.top_logprobs or 0) if req.logprobs else None
-        job = self._job(req, [prompt], [limit], top)
+        job = self._job(req, [prompt], [limit], top, prompt_param="messages")
         run = self._start(job)
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.settings.model_name}
         if req.stream:
@@ -92,28 +129,34 @@ class Handlers:
             logprobs = _chat_logprobs([lp for e in mine for lp in e.logprobs]) if req.logprobs else None
             choices.append({"index": choice.index, "logprobs": logprobs, "finish_reason": choice.finish_reason,
                             "message": {"role": "assistant", "content": "".join(e.text for e in mine)}})
-        return {**meta, "object": "chat.completion", "choices": choices, "usage": _usage(job)}
+        return json_response({**meta, "object": "chat.completion", "choices": choices, "usage": _usage(job)})
 
     def models(self) -> dict[str, Any]:
         card = {"id": self.settings.model_name, "object": "model", "created": 0, "owned_by": "hf-paged-attn"}
         return {"object": "list", "data": [card]}
 
+    # ----------------------------------------------------------------------------- in the thread pool
+    def _prepare_completion(self, data: bytes) -> tuple[CompletionRequest, list[list[int]], list[str]]:
+        req: CompletionRequest = parse(CompletionRequest, parse_json(data), self.limits)
+        self._check_model(req.model)
+        prompts, texts = self._completion_prompts(req.prompts())
+        return req, prompts, texts
+
+    def _prepare_chat(self, data: bytes) -> tuple[ChatCompletionRequest, list[int]]:
+        req: ChatCompletionRequest = parse(ChatCompletionRequest, parse_json(data), self.limits)
+        self._check_model(req.model)
+        return req, self._chat_prompt(req)
+
     # ----------------------------------------------------------------------------- building jobs
     def _check_model(self, name: str) -> None:
         if name != self.settings.model_name:
-            raise APIError(400, f"model {name!r} is not served here; this server serves {self.settings.model_name!r}",
-                           "model", "model_not_found")
+            raise APIError(400, f"model {short(name)} is not served here; this server serves "
+                           f"{short(self.settings.model_name)}", "model", "model_not_found")
 
-    def _completion_prompts(self, prompt: Any) -> tuple[list[list[int]], list[str]]:
-        """Token ids and text of each prompt (a string, strings, token ids, lists of token ids)."""
-        if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
-            prompt = [prompt]
-        if not prompt:
-            raise APIError(400, "prompt is empty", "prompt", "empty_prompt")
+    def _completion_prompts(self, prompts: list[str] | list[list[int]]) -> tuple[list[list[int]], list[str]]:
+        """Token ids and text of each prompt (validated: non-empty strings or in-vocabulary ids)."""
         ids, texts = [], []
-        for p in prompt:
-            if len(p) == 0:
-                raise APIError(400, "prompt is empty", "prompt", "empty_prompt")
+        for p in prompts:
             if isinstance(p, str):
                 ids.append(self.tokenizer(p)["input_ids"])
                 texts.append(p)
@@ -128,34 +171,25 @@ class Handlers:
             raise APIError(400, "this model has no chat template; start the server with --chat-template FILE",
                            "messages", "no_chat_template")
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, chat_template=template, add_generation_prompt=True, tokenize=False
-            )
-        except Exception as exc:  # a template may raise on messages it does not accept (jinja's raise_exception)
-            message = f"the chat template refused the messages: {exc}"
-            raise APIError(400, message, "messages", "invalid_messages") from None
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template writes its own BOS
+        return chat_prompt_ids(self.tokenizer, messages, template)  # control-token text in a message stays text
 
-    def _job(self, req: Any, prompts: list[list[int]], limits: list[int], top_logprobs: int | None) -> Job:
+    def _job(self, req: Any, prompts: list[list[int]], limits: list[int], top_logprobs: int | None,
+             prompt_param: str = "prompt") -> Job:
         for prompt, limit in zip(prompts, limits):
             if len(prompt) + limit > self.context_length:
                 raise APIError(
                     400, f"this model's maximum context length is {self.context_length} tokens; the request asks "
                     f"for {len(prompt) + limit} ({len(prompt)} in the prompt, {limit} to generate)",
-                    "max_tokens", "context_length_exceeded",
+                    prompt_param if len(prompt) >= self.context_length else "max_tokens", "context_length_exceeded",
                 )
         kwargs: dict[str, Any] = {}
-        stop = req.stop_list()
-        engine_stops = bool(stop) and "tokenizer" in self.engine_options  # the engine stops on them too, else only we
         changes = self._sampling_changes(req)
-        if changes or engine_stops:
+        if changes:
             kwargs["generation_config"] = self._generation_config(changes)
         # else the engine's own config serves as it is: a copy, and the engine merging it with the model's
-        # defaults, cost ~0.2 ms of the event loop per request, which a burst of arrivals waits on
-        if engine_stops:
-            kwargs["generation_config"].stop_strings = stop
-            kwargs["tokenizer"] = self.tokenizer
+        # defaults, cost ~0.2 ms of the event loop per request, which a burst of arrivals waits on.
+        # Stop sequences are ours alone (text.IncrementalText, stops.StopMatcher): the engine's
+        # stop_strings would build transformers' vocabulary x length table per distinct string.
         for name, value in (("logprobs", top_logprobs), ("seed", req.seed)):
             if value is None:
                 continue
@@ -163,7 +197,7 @@ class Handlers:
                 raise APIError(400, f"{name} is not supported by this version of hf_paged_attn's engine", name,
                                "unsupported_parameter")
             kwargs[name] = value
-        return Job(prompts, req.n, limits, stop, kwargs, want_logprobs=top_logprobs is not None)
+        return Job(prompts, req.n, limits, req.stop_list(), kwargs, want_logprobs=top_logprobs is not None)
 
     def _sampling_changes(self, req: Any) -> dict[str, Any]:
         """The generation-config fields the request sets to something other than the engine's."""
@@ -196,13 +230,6 @@ class Handlers:
 
 
 # --------------------------------------------------------------------------------- responses
-async def _json(request: Request) -> Any:
-    try:
-        return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"the request body is not valid JSON: {exc}", None, "invalid_json") from None
-
-
 async def _collect(run: JobRun, request: Request) -> list[ChoiceEvent]:
     """Every event of ``run``; if the client disconnects first, abort it (no response to send)."""
 
@@ -254,9 +281,12 @@ def _sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
     async def body() -> AsyncIterator[str]:
         try:
             async for chunk in chunks:
-                yield f"data: {json.dumps(chunk)}\n\n"
+                yield f"data: {dumps(chunk)}\n\n"
         except APIError as exc:  # headers are sent: the error goes in the stream, as OpenAI does
-            yield f"data: {json.dumps(exc.body())}\n\n"
+            yield f"data: {dumps(exc.body())}\n\n"
+        except Exception as exc:  # a bug, not the client's fault: still a well-formed end of stream
+            logger.exception("a stream failed")
+            yield f"data: {dumps(APIError(500, f'internal error: {type(exc).__name__}').body())}\n\n"
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -301,6 +331,3 @@ async def _chat_chunks(run: JobRun, meta: dict[str, Any], usage: bool) -> AsyncI
     if usage:
         yield {**base, "choices": [], "usage": _usage(run.job)}
 
-
-def error_response(exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)

@@ -19,6 +19,14 @@ from .text import IncrementalText, make_decoder
 
 # The engine's finish reasons in OpenAI's words: "stop" for EOS and stop strings, "length" for max_tokens.
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+# What a log-probability of -inf (a token the sampling settings exclude, e.g. outside top_p) is shown
+# as: JSON has no infinity, and vLLM answers the same finite stand-in.
+MIN_LOGPROB = -9999.0
+
+
+def finite_logprob(value: float) -> float:
+    """``value``, or MIN_LOGPROB for -inf (and nan, which no sampler should produce)."""
+    return value if value >= MIN_LOGPROB else MIN_LOGPROB
 
 
 @dataclass
@@ -116,8 +124,8 @@ class JobRun:
                 event = _event(choice, out, self.decode)
                 if event.finish_reason is not None:
                     num_open -= 1
-                    if not out.finished:  # our stop sequence ended it before the engine knew
-                        self.loop.abort(choice.request_id)
+                    if not out.finished:  # our stop sequence ended it: the engine never sees stop sequences
+                        self.loop.abort(choice.request_id, reason="stop")
                 yield event
         finally:
             self.abort()
@@ -146,7 +154,7 @@ def _event(choice: Choice, out: Any, decode: Callable[[list[int]], str]) -> Choi
         for entry in out.logprobs[-len(out.new_ids) :]:
             token = decode([entry.token_id])
             if choice.offset < len(choice.text.text) or not choice.text.stopped:  # drop what the stop cut off
-                top = [(decode([t]), lp) for t, lp in entry.top]
-                event.logprobs.append(TokenInfo(token, entry.logprob, choice.offset, top))
+                top = [(decode([t]), finite_logprob(lp)) for t, lp in entry.top]
+                event.logprobs.append(TokenInfo(token, finite_logprob(entry.logprob), choice.offset, top))
             choice.offset += len(token)
     return event
