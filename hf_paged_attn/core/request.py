@@ -79,6 +79,7 @@ class Request:
     logits: list[Any] | None = None
     logprobs: list[TokenLogprob] | None = None
     group: Any = None  # beam.BeamGroup of a beam-search request and of its beams (preempted together)
+    matcher: Any = None  # runtime.structured.Matcher of a constrained request (its grammar's state)
     score: float | None = None
     beam_indices: list[int] | None = None
 
@@ -163,6 +164,7 @@ class Request:
             priority=self.priority,
             parent_id=self.request_id,
             index=index,
+            matcher=self.matcher.clone() if self.matcher is not None else None,  # its own grammar state
         )
 
 

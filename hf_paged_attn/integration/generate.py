@@ -36,6 +36,7 @@ def paged_generate(
     streamer=None,
     paged_config: PagedConfig | None = None,
     tokenizer=None,
+    structured=None,
     **kwargs,
 ) -> torch.Tensor | GenerateDecoderOnlyOutput:
     """Continuous-batching ``generate``: rows of the padded batch become requests."""
@@ -92,7 +93,7 @@ def paged_generate(
     exact_fit = -(-exact_fit // layers.pool_blocks(1))  # in blocks of every layer, as PagedConfig.num_blocks
     # ``config`` is the engine's own (below): already prepared, so add_request does not prepare it again per prompt
     common = dict(max_new_tokens=max_new_tokens, logits_processor=logits_processor,
-                  stopping_criteria=stopping_criteria, tokenizer=tokenizer)  # fmt: skip
+                  stopping_criteria=stopping_criteria, tokenizer=tokenizer, structured=structured)  # fmt: skip
 
     def on_output(out: RequestOutput) -> None:
         if out.finish_reason == "error":

@@ -46,6 +46,11 @@ class Updater:
             self.kv.commit(s.request, s.num_new_tokens)
         sampled = [s.request for s in plan.scheduled if s.request.num_computed_tokens == s.request.num_tokens]
         rows = [row for row, r in enumerate(sampled) if r.group is None]
+        constrained = [row for row in rows if sampled[row].matcher is not None]
+        if constrained:  # grammar masks first: processors, sampling and forks see only allowed tokens
+            from .structured import mask_rows
+
+            mask_rows(logits, [sampled[row].matcher for row in constrained], constrained)
         outputs = []
         mine = logits if len(rows) == len(sampled) else logits[rows]  # no beams: no [rows, vocab] copy
         for row, sample in zip(rows, sample_rows(mine, [sampled[row] for row in rows], self.generator)):
@@ -83,13 +88,16 @@ class Updater:
             return self.finish(request, "error", sample)
         request.append(sample.token, sample.scores, sample.logits, sample.logprob)
         self.counters.num_generated_tokens += 1
+        if request.matcher is not None and not request.matcher.accept(sample.token):
+            error = request.matcher.error or f"token {sample.token} does not match the grammar"
+            return self.finish(request, "error", ValueError(error))
         try:
             stop = should_stop(request, logits)
         except Exception as exc:  # a caller's stopping criterion raised: that request fails alone
             return self.finish(request, "error", exc)
         if sample.token in request.sampling.eos_token_ids:
             return self.finish(request, "eos")
-        if stop:
+        if stop or (request.matcher is not None and request.matcher.is_terminated()):  # a complete match
             return self.finish(request, "stop")
         if len(request.output_ids) >= request.max_new_tokens:
             return self.finish(request, "length")
