@@ -25,6 +25,7 @@ from .batch_api import BatchAPI
 from .beam import BeamGroup
 from .config import PagedConfig
 from .executor import Launcher, choose_launcher
+from .lockstep import Lockstep
 from .placement import input_device, layer_devices
 from .sampling import make_sampling_params, resolve_max_new_tokens
 from .stats import EngineStats, StepCounters
@@ -92,6 +93,7 @@ class ContinuousBatchingEngine(BatchAPI):
         tokenizer: object | None = None,
         stopping_criteria: StoppingCriteriaList | None = None,
         padding: Sequence[int] | None = None,
+        lockstep: Lockstep | None = None,
     ) -> str:
         """Queue one prompt; returns its request id. Bad input raises ValueError and queues nothing.
 
@@ -99,6 +101,8 @@ class ContinuousBatchingEngine(BatchAPI):
         each new token's log-probability and its ``k`` best alternatives. ``seed``: the request's own
         sampling generator. ``tokenizer``: for ``stop_strings``. ``padding``: the prompt's left padding
         in ``model.generate``'s batch, which its processors see. Beam search: ``num_beams`` > 1.
+        ``lockstep``: the ``model.generate`` batch whose caller's processors and criteria the
+        request's row runs under (``lockstep.py``; its own ``logits_processor`` is then None).
         """
         text_config = self.model.config.get_text_config()
         prompt = validate_prompt(input_ids, text_config.vocab_size, self.max_position_embeddings)
@@ -112,7 +116,7 @@ class ContinuousBatchingEngine(BatchAPI):
         sampling = make_sampling_params(
             self.model, config, len(prompt), logits_processor,
             stopping_criteria=stopping_criteria, tokenizer=tokenizer, seed=seed, logprobs=logprobs,
-            max_new_tokens=max_new_tokens, prefix=padding,
+            max_new_tokens=max_new_tokens, prefix=padding, lockstep=lockstep,
         )  # fmt: skip
         request = Request("", prompt, max_new_tokens, sampling, arrival=0, priority=priority)
         if (num_beams := config.num_beams or 1) > 1:
