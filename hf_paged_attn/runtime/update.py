@@ -147,6 +147,7 @@ class Updater:
         for parent, child in step.forks:
             self.kv.fork(parent, child)
             self.scheduler.add_running(child)
+            parent.children = []  # forked: each finishes on its own from now on
         outputs = []
         for request, sample, reason in step.rows:
             request.append(sample.token, sample.scores, sample.logits, sample.logprob)
