@@ -52,7 +52,8 @@ def test_trl_grpo_trains_two_steps_on_the_engine(chat_model_dir, tmp_path, engin
     tokenizer = AutoTokenizer.from_pretrained(chat_model_dir)
     model = AutoModelForCausalLM.from_pretrained(chat_model_dir, attn_implementation="paged")
     before = [p.detach().clone() for p in model.parameters()]
-    train = datasets.Dataset.from_dict({"prompt": ["The for statement", "A list is", "Exceptions are", "Python is"] * 2})
+    prompts = ["The for statement", "A list is", "Exceptions are", "Python is"]
+    train = datasets.Dataset.from_dict({"prompt": prompts * 2})
 
     def reward(completions: list[str], **kwargs) -> list[float]:  # noqa: ANN003
         return [float(len(c)) for c in completions]
@@ -85,7 +86,8 @@ def tiny_tasks(tmp_path_factory) -> str:
         for i, (question, answer) in enumerate(ROWS):
             f.write(json.dumps({"question": question, "answer": answer, "choices": [" yes", " no", " a"],
                                 "label": i % 3}) + "\n")  # fmt: skip
-    common = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {directory / 'data.jsonl'}\ntest_split: test\n"
+    data = directory / "data.jsonl"
+    common = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
     (directory / "tiny_gen.yaml").write_text(
         "task: tiny_gen\n" + common + 'output_type: generate_until\ndoc_to_text: "{{question}}"\n'
         'doc_to_target: "{{answer}}"\ngeneration_kwargs:\n  until: ["\\n\\n", "."]\n  max_gen_toks: 24\n'
