@@ -4,6 +4,10 @@ between calls (and during a pause) are honoured with prefix caching on; the mode
 
 from __future__ import annotations
 
+import runpy
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
@@ -216,3 +220,11 @@ def test_continuous_batching_config_maps_or_refuses_by_name() -> None:
     assert paged_config_from(ContinuousBatchingConfig())[0].block_size is None  # transformers' default: the kernel's
     with pytest.raises(NotImplementedError, match="scheduler_type='prefill_first'"):
         paged_config_from(ContinuousBatchingConfig(scheduler_type="prefill_first"))
+
+
+def test_rl_loop_example_runs(monkeypatch, capsys) -> None:  # noqa: ANN001
+    example = Path(__file__).parents[2] / "examples" / "rl_loop.py"
+    monkeypatch.setattr(sys, "argv", [str(example), "--steps", "2", "--samples", "2"])
+    runpy.run_path(str(example), run_name="__main__")
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["step 0", "step 1"] and all("training=True" in x for x in lines)
