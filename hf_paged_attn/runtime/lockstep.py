@@ -12,7 +12,9 @@ processors, draws, runs the criteria and says which rows finish.
 
 A criterion's answer applies as in ``generate``: one bool stops every row; a row it stops is
 padded from then on when EOS is set. Without EOS, ``generate`` keeps sampling a stopped row until
-every row has stopped (or the length limit): so does the batch. Beam search keeps its own
+every row has stopped (or the length limit): so does the batch. A row aborted through the engine is
+padded like a finished one when EOS is set; without EOS its batch fails (``generate`` would go on
+sampling it: there is nothing to show in its place). Beam search keeps its own
 processors (``beam.py``). Only calls that carry a caller's processor or criterion run in lockstep;
 the others sample each row as it comes (``sampling.py``).
 """

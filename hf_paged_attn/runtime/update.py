@@ -79,6 +79,7 @@ class Updater:
         """The step raised: its requests fail (the engine goes on with the others)."""
         return [out for s in plan.scheduled for out in self.finish(s.request, "error", exc)]
 
+    @torch.inference_mode()  # an abort comes from outside the step: the rows' tensors are inference tensors
     def finish(self, request: Request, reason: str, exc: Exception | None = None) -> list[RequestOutput]:
         """Finish ``request`` (and the siblings it has yet to fork), free its blocks, emit its final output."""
         if request.group is not None:  # a beam: the whole search ends, reported on its head
