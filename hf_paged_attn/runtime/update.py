@@ -55,7 +55,7 @@ class Updater:
             self.kv.commit(s.request, s.num_new_tokens)
         sampled = [s.request for s in plan.scheduled if s.request.num_computed_tokens == s.request.num_tokens]
         rows = [row for row, r in enumerate(sampled) if r.group is None and r.sampling.lockstep is None]
-        mine = logits if len(rows) == len(sampled) else logits[rows]  # no beams: no [rows, vocab] copy
+        mine = logits if len(rows) == len(sampled) else logits[rows]  # no groups: no [rows, vocab] copy
         drawn = []  # (request, its sample, its logits row)
         for row, sample in zip(rows, sample_rows(mine, [sampled[row] for row in rows], self.generator, self.history)):
             siblings = self._fork(sampled[row], logits[row : row + 1]) if sampled[row].children else []
