@@ -201,8 +201,12 @@ class PagedContinuousBatchingManager:
         record_timestamps: bool = False,
         **logit_processor_kwargs: Any,
     ) -> list[str]:
-        """Queue every prompt (all or none): their ids ``req_<n>``, in input order."""
+        """Queue every prompt (all or none): their ids ``req_<n>``, in input order. A stopping manager
+        drops them (and still returns their ids, as transformers)."""
         ids = self._next_ids(len(inputs))
+        if self._stop is not None or self.fatal_error is not None:
+            logger.warning("The manager is stopping: %d requests are dropped.", len(inputs))
+            return ids
         requests = [self._request(p, rid, max_new_tokens, None, logit_processor_kwargs) for p, rid in zip(inputs, ids)]
         return self._add(requests, streaming, record_timestamps)
 
@@ -323,8 +327,6 @@ class PagedContinuousBatchingManager:
         if self.is_running():
             raise RuntimeError("the manager's loop is running: add the requests with add_requests and read the results")
         limits = [resolve_max_new_tokens(self.config, len(p), max_new_tokens) for p in inputs]
-        self._ensure_engine(self._blocks_for([len(p) for p in inputs], limits))
-        ids = self.add_requests(inputs, max_new_tokens, record_timestamps=record_timestamps)
         results: dict[str, GenerationOutput] = {}
 
         def on_output(out: RequestOutput) -> None:
@@ -333,8 +335,12 @@ class PagedContinuousBatchingManager:
                 results[result.request_id] = result
 
         try:
+            engine = self._ensure_engine(self._blocks_for([len(p) for p in inputs], limits))
+            ids = self._next_ids(len(inputs))
+            requests = [self._request(p, rid, max_new_tokens, None, {}) for p, rid in zip(inputs, ids)]
+            self._add(requests, streaming=False, record_timestamps=record_timestamps)
             with generation_mode(self.model):
-                self.engine.collect(ids, progress_bar=progress_bar, on_output=on_output)
+                engine.collect(ids, progress_bar=progress_bar, on_output=on_output)
         finally:
             self._close_engine()
         n = self.num_return_sequences

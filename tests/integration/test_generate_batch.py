@@ -228,3 +228,15 @@ def test_rl_loop_example_runs(monkeypatch, capsys) -> None:  # noqa: ANN001
     runpy.run_path(str(example), run_name="__main__")
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines] == ["step 0", "step 1"] and all("training=True" in x for x in lines)
+
+
+def test_generate_batch_takes_generation_options_and_refuses_the_rest(demo, prompts) -> None:  # noqa: ANN001
+    _, paged, ref = demo
+    out = paged.generate_batch(prompts[:2], max_new_tokens=3, do_sample=False)
+    assert [o.generated_tokens for o in out.values()] == sdpa_greedy(ref, prompts[:2], 3)
+    with pytest.raises(TypeError, match="not_an_option"):
+        paged.generate_batch(prompts[:2], not_an_option=1)
+    with pytest.raises(NotImplementedError, match="scheduler_type"):
+        refused = ContinuousBatchingConfig(scheduler_type="prefill_first")
+        paged.generate_batch(prompts[:2], continuous_batching_config=refused)
+    assert paged.generate_batch([]) == {}
