@@ -38,6 +38,7 @@ from transformers.generation.continuous_batching.utils import WorkloadHints
 from .. import transformers_private as hf
 from ..core.layers import LayerKinds
 from ..core.request import RequestOutput
+from ..parallel.tensor_parallel import on_driver
 from ..runtime.cuda_graphs import CudaGraphExecutor
 from ..runtime.engine import ContinuousBatchingEngine
 from ..runtime.memory import blocks_for_batch
@@ -327,25 +328,31 @@ class PagedContinuousBatchingManager:
         if self.is_running():
             raise RuntimeError("the manager's loop is running: add the requests with add_requests and read the results")
         limits = [resolve_max_new_tokens(self.config, len(p), max_new_tokens) for p in inputs]
-        results: dict[str, GenerationOutput] = {}
 
-        def on_output(out: RequestOutput) -> None:
-            result = self.ledger.convert(out)
-            if result is not None and result.is_finished():
-                results[result.request_id] = result
+        def run() -> dict[str, GenerationOutput]:
+            results: dict[str, GenerationOutput] = {}
 
-        try:
+            def on_output(out: RequestOutput) -> None:
+                result = self.ledger.convert(out)
+                if result is not None and result.is_finished():
+                    results[result.request_id] = result
+
             engine = self._ensure_engine(self._blocks_for([len(p) for p in inputs], limits))
             ids = self._next_ids(len(inputs))
             requests = [self._request(p, rid, max_new_tokens, None, {}) for p, rid in zip(inputs, ids)]
             self._add(requests, streaming=False, record_timestamps=record_timestamps)
+            engine.collect(ids, progress_bar=progress_bar, on_output=on_output)
+            n = self.num_return_sequences
+            order = [k for rid in ids for k in [*(f"{rid}__child#{i}" for i in range(n - 1)), rid]]
+            return {k: results[k] for k in order if k in results}
+
+        # Tensor-parallel model: rank 0 runs the engine, the other ranks its forwards; all get the outputs.
+        # The engine closes after: closing it inside would end the other ranks' loop before the outputs reach them.
+        try:
             with generation_mode(self.model):
-                engine.collect(ids, progress_bar=progress_bar, on_output=on_output)
+                return on_driver(self.model, run)
         finally:
             self._close_engine()
-        n = self.num_return_sequences
-        order = [k for rid in ids for k in [*(f"{rid}__child#{i}" for i in range(n - 1)), rid]]
-        return {k: results[k] for k in order if k in results}
 
     # ----------------------------------------------------------------------------- the engine
     def _ensure_engine(self, num_blocks: int | None = None) -> ContinuousBatchingEngine:
