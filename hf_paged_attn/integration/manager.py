@@ -38,7 +38,7 @@ from transformers.generation.continuous_batching.utils import WorkloadHints
 from .. import transformers_private as hf
 from ..core.layers import LayerKinds
 from ..core.request import RequestOutput
-from ..parallel.tensor_parallel import on_driver
+from ..parallel.tensor_parallel import is_tensor_parallel, on_driver
 from ..runtime.cuda_graphs import CudaGraphExecutor
 from ..runtime.engine import ContinuousBatchingEngine
 from ..runtime.memory import blocks_for_batch
@@ -108,6 +108,11 @@ class PagedContinuousBatchingManager:
         if self.is_running():
             logger.warning("Manager thread is already running.")
             return
+        if is_tensor_parallel(self.model):
+            raise NotImplementedError(
+                "the continuous-batching manager's background loop under tensor parallelism; generate_batch and "
+                "generate run tensor-parallel"
+            )
         self._ensure_engine()
         self._stop, self.fatal_error, self._pauses, self._paused = None, None, 0, False
         self._mode.enter_context(generation_mode(self.model))
