@@ -24,6 +24,7 @@ from .batch_api import BatchAPI
 from .beam import BeamGroup
 from .config import PagedConfig
 from .executor import Launcher, choose_launcher
+from .lockstep import Lockstep
 from .placement import input_device, layer_kinds
 from .sampling import make_sampling_params, resolve_max_new_tokens
 from .stats import EngineStats, StepCounters
@@ -94,6 +95,7 @@ class ContinuousBatchingEngine(BatchAPI):
         stopping_criteria: StoppingCriteriaList | None = None,
         padding: Sequence[int] | None = None,
         structured: object | None = None,
+        lockstep: Lockstep | None = None,
     ) -> str:
         """Queue one prompt; returns its request id. Bad input raises ValueError and queues nothing.
 
@@ -104,6 +106,8 @@ class ContinuousBatchingEngine(BatchAPI):
         ``structured``: a ``runtime.structured.StructuredSpec`` (or a dict of its fields:
         ``{"json": schema}``, ``{"json_object": True}``, ``{"regex": ...}``, ``{"choice": [...]}``,
         ``{"grammar": ...}``) the output must match; needs ``tokenizer`` and the ``[structured]`` extra.
+        ``lockstep``: the ``model.generate`` batch whose caller's processors and criteria the
+        request's row runs under (``lockstep.py``; its own ``logits_processor`` is then None).
         """
         text_config = self.model.config.get_text_config()
         prompt = validate_prompt(input_ids, text_config.vocab_size, self.max_position_embeddings)
@@ -117,7 +121,7 @@ class ContinuousBatchingEngine(BatchAPI):
         sampling = make_sampling_params(
             self.model, config, len(prompt), logits_processor,
             stopping_criteria=stopping_criteria, tokenizer=tokenizer, seed=seed, logprobs=logprobs,
-            max_new_tokens=max_new_tokens, prefix=padding,
+            max_new_tokens=max_new_tokens, prefix=padding, lockstep=lockstep,
         )  # fmt: skip
         request = Request("", prompt, max_new_tokens, sampling, arrival=0, priority=priority)
         if structured is not None:
