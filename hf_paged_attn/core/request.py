@@ -159,7 +159,8 @@ class Request:
             request_id=f"{self.request_id}#{index}",
             prompt_ids=self.prompt_ids,
             max_new_tokens=self.max_new_tokens,
-            sampling=self.sampling,
+            # sampling.SamplingParams.for_sequence: a seeded sequence gets its own generator
+            sampling=self.sampling.for_sequence(index) if self.sampling is not None else None,
             arrival=self.arrival,
             priority=self.priority,
             parent_id=self.request_id,

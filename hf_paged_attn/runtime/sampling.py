@@ -14,6 +14,7 @@ to record, and the engine records it only once the whole step's sampling has suc
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +75,7 @@ class SamplingParams:
     eos_token_ids: frozenset[int]
     stopping: StoppingCriteriaList | None = None  # stop strings, max_time, the caller's criteria
     generator: torch.Generator | None = None  # the request's own (``seed=``); else the engine's
+    seed: int | None = None  # the request's ``seed=``: each sequence of ``num_return_sequences`` derives its own
     num_logprobs: int | None = None  # record log-probs with this many alternatives
     output_scores: bool = False
     output_logits: bool = False
@@ -85,6 +87,16 @@ class SamplingParams:
     # A ``lockstep.Lockstep``: the request is a row of a ``model.generate`` batch whose caller's
     # processors and criteria run on the whole batch; it samples with the batch, not here
     lockstep: Any = None
+
+    def for_sequence(self, index: int) -> SamplingParams:
+        """The params of sibling ``index`` of ``num_return_sequences``: with a ``seed``, a generator of
+        its own (from the seed and the index), so each sequence's draws depend on nothing but its own
+        tokens, not on which siblings the scheduler ran beside it (a preemption reorders them)."""
+        if self.generator is None:
+            return self
+        child_seed = (self.seed * 1_000_003 + index) % (2**63)
+        generator = torch.Generator(device=self.generator.device).manual_seed(child_seed)
+        return dataclasses.replace(self, generator=generator)
 
     @property
     def needs_row_work(self) -> bool:
@@ -169,6 +181,7 @@ def make_sampling_params(
         eos_token_ids=eos_ids,
         stopping=make_stopping_criteria(config, stopping_criteria, tokenizer),
         generator=generator,
+        seed=seed,
         num_logprobs=logprobs,
         output_scores=bool(config.return_dict_in_generate and config.output_scores),
         output_logits=bool(config.return_dict_in_generate and config.output_logits),
