@@ -6,10 +6,10 @@ demo model is greedy unless ``temperature`` > 0 is asked for; chat's default ``m
 the generation config's ``max_new_tokens`` (or the rest of the context).
 
 Structured outputs (``response_format``, vLLM's ``structured_outputs``, a forced tool call) are the
-engine's: the request carries a spec, the engine compiles it in ``add_request``. That compile (ms to
-tens of ms on a large vocabulary) runs in the tokenizer's thread, never on the event loop, and a spec
-it refuses is a 400 before anything is queued. With ``tools`` (and ``tool_choice`` other than
-``none``) the output is parsed for tool calls in the model's format (``tool_parser``).
+engine's: the request carries a spec, the engine compiles it in ``add_request``. That call (a compile
+takes ms to seconds) runs in a worker thread, never on the event loop, and a spec the engine refuses
+is a 400 before anything is queued. With ``tools`` (and ``tool_choice`` other than ``none``) the
+output is parsed for tool calls in the model's format (``tool_parser``).
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ which the tokenizer cannot take) and of bounded length, lists and maps of bounde
 that depend on the served model or the server's settings (token ids below the vocabulary size,
 prompt characters, prompts x ``n`` against the queue) are checked by ``check(limits)`` right after.
 A new field is one more annotated attribute here (and, if the engine cannot honour it yet, one more
-name in ``unsupported_options``).
+name in ``unsupported_options``). Checks across fields (one way to constrain the output, a
+``tool_choice`` that fits the ``tools``) are ``check_fields``. The structured-output fields are
+``structured.StructuredFields``; the tool models are in ``tools``.
 """
 
 from __future__ import annotations
