@@ -91,6 +91,8 @@ class Handlers:
         template = settings.chat_template or getattr(tokenizer, "chat_template", None)
         self.tool_format: ToolCallFormat = detect_format(template if isinstance(template, str) else None,
                                                          settings.tool_call_parser)
+        added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
+        self.marker_ids = {m: added[m] for m in (self.tool_format.start, self.tool_format.end) if m and m in added}
         tokenizer("warm up", add_special_tokens=False)  # its first call may set state; later calls only read it
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="hf-paged-tokenize")
         # Grammars compile here once the engine has its grammar compiler: the first constrained request
@@ -183,7 +185,8 @@ class Handlers:
             return req.structured()
         assert req.tools is not None
         name = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else None
-        grammar = forced_grammar(self.tool_format, req.tools, name, parallel=req.parallel_tool_calls is not False)
+        parallel = req.parallel_tool_calls is not False  # OpenAI's default: true
+        grammar = forced_grammar(self.tool_format, req.tools, name, parallel, self.marker_ids)
         return {"grammar": grammar}, "tools"
 
     # ----------------------------------------------------------------------------- building jobs

@@ -108,18 +108,27 @@ def template_tools(tools: list[FunctionTool]) -> list[dict[str, Any]]:
     return [t.model_dump(exclude_none=True) for t in tools]
 
 
-def forced_grammar(fmt: ToolCallFormat, tools: list[FunctionTool], name: str | None, parallel: bool) -> str:
+def forced_grammar(fmt: ToolCallFormat, tools: list[FunctionTool], name: str | None, parallel: bool,
+                   marker_ids: dict[str, int] | None = None) -> str:
     """The Lark grammar of a forced tool call in ``fmt``: any of ``tools`` (or the one called ``name``),
-    one call, or one or more when ``parallel``."""
+    one call, or one or more when ``parallel``. ``marker_ids``: the tokenizer's added tokens among
+    ``fmt``'s markers (Qwen's ``<tool_call>`` is one token): the model may write each as that token,
+    as it was trained to, or as text (llguidance matches an added token only by reference)."""
     chosen = [t.function for t in tools if name is None or t.function.name == name]
     assert chosen, "check_tools makes sure a named function is in tools"
     rules = [f"call_{i}: %json {json.dumps(call_schema(fmt, f.name, f.parameters))}" for i, f in enumerate(chosen)]
     block = "call"
     if fmt.start:  # e.g. <tool_call>\n{...}\n</tool_call>; a JSON string literal is a Lark string literal
-        block = f"{json.dumps(fmt.start + chr(10))} call {json.dumps(chr(10) + fmt.end)}"
+        start, end = (_marker(m, marker_ids or {}) for m in (fmt.start, fmt.end))
+        block = f'{start} "\\n" call "\\n" {end}'
     many = f" ({json.dumps(fmt.separator)} block)*" if parallel and name is None else ""
     lines = [f"start: block{many}", f"block: {block}", "call: " + " | ".join(f"call_{i}" for i in range(len(chosen)))]
     return "\n".join(lines + rules)
+
+
+def _marker(text: str, marker_ids: dict[str, int]) -> str:
+    literal = json.dumps(text)
+    return f"(<[{marker_ids[text]}]> | {literal})" if text in marker_ids else literal
 
 
 def call_schema(fmt: ToolCallFormat, name: str, parameters: dict[str, Any] | None) -> dict[str, Any]:

@@ -205,3 +205,30 @@ def test_every_output_of_the_forced_grammar_is_a_valid_call(compiler, fmt, name,
             jsonschema.validate(json.loads(call["function"]["arguments"]), params[call["function"]["name"]])
             seen.add(call["function"]["name"])
     assert name is None or seen == {name}
+
+
+def test_markers_that_are_added_tokens_may_be_written_as_those_tokens(compiler):
+    """Qwen's <tool_call> is one added token: the forced grammar must let the model write it so, as it
+    was trained to (llguidance matches an added token only by reference, not by its text)."""
+    from transformers import AutoTokenizer
+
+    from hf_paged_attn.demo import DEMO_MODEL
+    from hf_paged_attn.runtime.structured import GrammarCompiler, StructuredSpec
+    from hf_paged_attn.serve.text import make_decoder
+
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL)
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>"])  # added, not special: kept by skip_special_tokens
+    start, end = tokenizer.convert_tokens_to_ids(["<tool_call>", "</tool_call>"])
+    grammars = GrammarCompiler(tokenizer, len(tokenizer))
+    body = tokenizer('\n{"name": "now", "arguments": {}}\n', add_special_tokens=False)["input_ids"]
+    markers = {"<tool_call>": start, "</tool_call>": end}
+    for marker_ids, accepted in ((markers, True), ({}, False)):
+        matcher = grammars.matcher(StructuredSpec(grammar=forced_grammar(HERMES, TOOLS, "now", False, marker_ids)))
+        assert matcher.accept(start) is accepted
+        if accepted:
+            assert matcher.accept_tokens(body) == len(body) and matcher.accept(end) and matcher.is_terminated()
+    text = make_decoder(tokenizer)([start, *body, end])
+    assert calls_of(text) == (None, [("now", "{}")])
+    spelled = grammars.matcher(StructuredSpec(grammar=forced_grammar(HERMES, TOOLS, "now", False, markers)))
+    pieces = [t for c in "<tool_call>" for t in tokenizer(c, add_special_tokens=False)["input_ids"]]
+    assert spelled.accept_tokens(pieces) == len(pieces)  # the text form is allowed too
