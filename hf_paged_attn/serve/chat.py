@@ -13,6 +13,9 @@ every control-token string inside the messages. The control tokens found in the 
 are the template's own; the first rendering is tokenized with only those as control tokens, and
 the text between them as plain text (``split_special_tokens=True``), which is how the tokenizer
 treats the text between control tokens anyway.
+
+The same holds for every string the client gives the template: message contents, tool calls and their
+arguments, tool definitions (``tools``, as ``apply_chat_template(tools=...)`` takes them).
 """
 
 from __future__ import annotations
@@ -32,16 +35,19 @@ def control_strings(tokenizer: Any) -> list[str]:
     return sorted((n for n in names if n), key=len, reverse=True)
 
 
-def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]], template: str) -> list[int]:
-    """The prompt ids of ``messages`` (``{"role", "content"}``) through ``template``, with a generation prompt."""
-    text = render(tokenizer, messages, template)
+def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], template: str,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The prompt ids of ``messages`` (``{"role", "content", ...}``) and ``tools`` through ``template``,
+    with a generation prompt."""
+    text = render(tokenizer, messages, template, tools)
     controls = control_strings(tokenizer)
-    if not any(c in m["content"] for m in messages for c in controls):
+    strings = list(_strings([messages, tools]))
+    if not any(c in t for t in strings for c in controls):
         return tokenizer(text, add_special_tokens=False)["input_ids"]  # the template writes its own BOS
-    used = set().union(*(m["content"] for m in messages))
+    used = set().union(*strings)
     mark = next(m for m in MARKERS if m not in used and m not in template)
-    broken = [{**m, "content": _break(m["content"], controls, mark)} for m in messages]
-    marked = render(tokenizer, broken, template)
+    broken = _map_strings([messages, tools], lambda t: _break(t, controls, mark))
+    marked = render(tokenizer, broken[0], template, broken[1])
     if marked.replace(mark, "") != text:  # the template transformed the content beyond trimming its ends
         raise APIError(400, "a message contains the text of a control token, which this chat template does not "
                        "keep as plain text; remove it", "messages", "invalid_messages")
@@ -55,12 +61,36 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]], template: st
     return ids + _plain(tokenizer, text[start:])
 
 
-def render(tokenizer: Any, messages: list[dict[str, str]], template: str) -> str:
+def render(tokenizer: Any, messages: list[dict[str, Any]], template: str,
+           tools: list[dict[str, Any]] | None = None) -> str:
     try:
-        return tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True,
-                                             tokenize=False)
+        return tokenizer.apply_chat_template(messages, tools=tools, chat_template=template,
+                                             add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # a template may raise on messages it does not accept (jinja's raise_exception)
         raise APIError(400, f"the chat template refused the messages: {exc}", "messages", "invalid_messages") from None
+
+
+def _strings(value: Any) -> Any:
+    """Every string in ``value`` (dict keys too): the JSON the client sent, bounded in depth."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield key
+            yield from _strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings(item)
+
+
+def _map_strings(value: Any, fn: Any) -> Any:
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, dict):
+        return {fn(key): _map_strings(item, fn) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_map_strings(item, fn) for item in value]
+    return value
 
 
 def _break(content: str, controls: list[str], mark: str) -> str:

@@ -4,12 +4,19 @@ Decisions that differ from OpenAI (documented in docs/serving.md): sampling fiel
 leaves out come from the model's ``generation_config`` (as ``transformers serve`` does), so the
 demo model is greedy unless ``temperature`` > 0 is asked for; chat's default ``max_tokens`` is
 the generation config's ``max_new_tokens`` (or the rest of the context).
+
+Structured outputs (``response_format``, vLLM's ``structured_outputs``, a forced tool call) are the
+engine's: the request carries a spec, the engine compiles it in ``add_request``. That call (a compile
+takes ms to seconds) runs in a worker thread, never on the event loop, and a spec the engine refuses
+is a 400 before anything is queued. With ``tools`` (and ``tool_choice`` other than ``none``) the
+output is parsed for tool calls in the model's format (``tool_parser``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import importlib.util
 import inspect
 import logging
 import time
@@ -30,8 +37,11 @@ from .errors import APIError, dumps, json_response, short
 from .jobs import ChoiceEvent, Job, JobRun, TokenInfo
 from .limits import CHARS_PER_TOKEN, DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, TOKENIZER_THREADS, RequestLimits
 from .protocol import ChatCompletionRequest, CompletionRequest, parse
+from .tool_parser import FORMATS, ToolCallFormat, ToolCallStream, detect_format, parse_tool_calls
+from .tools import NamedToolChoice, forced_grammar, template_tools
 
 logger = logging.getLogger("hf_paged_attn.serve")
+Structure = tuple[dict[str, Any] | None, str | None]  # (the engine's structured spec, the field it comes from)
 
 
 @dataclass
@@ -43,8 +53,11 @@ class ServeSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a larger POST body gets 413
     body_timeout: float | None = DEFAULT_BODY_TIMEOUT_S  # seconds for a POST body to arrive; then 408
     max_prompt_chars: int | None = None  # characters of a prompt (chat: all messages); None: CHARS_PER_TOKEN x context
+    tool_call_parser: str = "auto"  # the tool-call format: hermes, llama3, or auto (from the chat template)
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser not in ("auto", *FORMATS):
+            raise ValueError(f"tool_call_parser must be auto, {', '.join(FORMATS)}; got {self.tool_call_parser!r}")
         for name in ("max_queue", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -74,11 +87,23 @@ class Handlers:
             max_choices=settings.max_queue,
         )
         self.engine_options = set(inspect.signature(engine.add_request).parameters)
+        self.structured_ok = "structured" in self.engine_options and importlib.util.find_spec("llguidance") is not None
+        template = settings.chat_template or getattr(tokenizer, "chat_template", None)
+        self.tool_format: ToolCallFormat = detect_format(template if isinstance(template, str) else None,
+                                                         settings.tool_call_parser)
+        added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
+        self.marker_ids = {m: added[m] for m in (self.tool_format.start, self.tool_format.end) if m and m in added}
         tokenizer("warm up", add_special_tokens=False)  # its first call may set state; later calls only read it
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="hf-paged-tokenize")
+        # Grammars compile here once the engine has its grammar compiler: the first constrained request
+        # builds it from the tokenizer (~1 s for a large vocabulary), so that one runs in the tokenizer's
+        # thread; after it, a compile (which releases the GIL) holds up no tokenizing.
+        self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="hf-paged-grammar")
+        self._grammars_ready = False
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
@@ -91,9 +116,9 @@ class Handlers:
     async def completions(self, request: Request) -> Any:
         req, prompts, texts = await self._off_loop(self._prepare_completion, await self._body(request))
         limit = req.max_tokens if req.max_tokens is not None else 16  # an explicit null: OpenAI's default
-        job = self._job(req, prompts, [limit] * len(prompts), req.logprobs)
+        job = self._job(req, prompts, [limit] * len(prompts), req.logprobs, structure=req.structured())
         echo = texts if req.echo else [""] * len(prompts)
-        run = self._start(job)
+        run = await self._start(job)
         meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.settings.model_name}
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
@@ -110,25 +135,32 @@ class Handlers:
         return json_response({**meta, "object": "text_completion", "choices": choices, "usage": _usage(job)})
 
     async def chat(self, request: Request) -> Any:
-        req, prompt = await self._off_loop(self._prepare_chat, await self._body(request))
+        req, prompt, structure = await self._off_loop(self._prepare_chat, await self._body(request))
         limit = req.token_limit()
         if limit is None:
             rest = self.context_length - len(prompt)
             limit = min(self.generation_config.max_new_tokens or rest, rest) if rest > 0 else 1
         top = (req.top_logprobs or 0) if req.logprobs else None
-        job = self._job(req, [prompt], [limit], top, prompt_param="messages")
-        run = self._start(job)
+        job = self._job(req, [prompt], [limit], top, prompt_param="messages", structure=structure)
+        run = await self._start(job)
+        tools = self.tool_format if req.parses_tool_calls() else None
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.settings.model_name}
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
-            return _sse(_chat_chunks(run, meta, usage))
+            return _sse(_chat_chunks(run, meta, usage, tools))
         events = await _collect(run, request)
         choices = []
         for choice in job.choices:
             mine = [e for e in events if e.choice is choice]
             logprobs = _chat_logprobs([lp for e in mine for lp in e.logprobs]) if req.logprobs else None
-            choices.append({"index": choice.index, "logprobs": logprobs, "finish_reason": choice.finish_reason,
-                            "message": {"role": "assistant", "content": "".join(e.text for e in mine)}})
+            message: dict[str, Any] = {"role": "assistant", "content": "".join(e.text for e in mine)}
+            finish = choice.finish_reason
+            if tools is not None:
+                content, calls = parse_tool_calls(tools, message["content"])
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": calls}
+                    finish = "tool_calls" if finish == "stop" else finish
+            choices.append({"index": choice.index, "logprobs": logprobs, "finish_reason": finish, "message": message})
         return json_response({**meta, "object": "chat.completion", "choices": choices, "usage": _usage(job)})
 
     def models(self) -> dict[str, Any]:
@@ -142,10 +174,20 @@ class Handlers:
         prompts, texts = self._completion_prompts(req.prompts())
         return req, prompts, texts
 
-    def _prepare_chat(self, data: bytes) -> tuple[ChatCompletionRequest, list[int]]:
+    def _prepare_chat(self, data: bytes) -> tuple[ChatCompletionRequest, list[int], Structure]:
         req: ChatCompletionRequest = parse(ChatCompletionRequest, parse_json(data), self.limits)
         self._check_model(req.model)
-        return req, self._chat_prompt(req)
+        return req, self._chat_prompt(req), self._chat_structure(req)
+
+    def _chat_structure(self, req: ChatCompletionRequest) -> Structure:
+        """(the engine's spec, the field it comes from): a forced tool call's grammar, or the request's own."""
+        if not req.forced_tool_call():
+            return req.structured()
+        assert req.tools is not None
+        name = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else None
+        parallel = req.parallel_tool_calls is not False  # OpenAI's default: true
+        grammar = forced_grammar(self.tool_format, req.tools, name, parallel, self.marker_ids)
+        return {"grammar": grammar}, "tools"
 
     # ----------------------------------------------------------------------------- building jobs
     def _check_model(self, name: str) -> None:
@@ -170,11 +212,12 @@ class Handlers:
         if not template:
             raise APIError(400, "this model has no chat template; start the server with --chat-template FILE",
                            "messages", "no_chat_template")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
-        return chat_prompt_ids(self.tokenizer, messages, template)  # control-token text in a message stays text
+        messages = [m.for_template() for m in req.messages]
+        tools = template_tools(req.tools) if req.tools else None
+        return chat_prompt_ids(self.tokenizer, messages, template, tools)  # control-token text in a message stays text
 
     def _job(self, req: Any, prompts: list[list[int]], limits: list[int], top_logprobs: int | None,
-             prompt_param: str = "prompt") -> Job:
+             prompt_param: str = "prompt", structure: Structure = (None, None)) -> Job:
         for prompt, limit in zip(prompts, limits):
             if len(prompt) + limit > self.context_length:
                 raise APIError(
@@ -197,7 +240,15 @@ class Handlers:
                 raise APIError(400, f"{name} is not supported by this version of hf_paged_attn's engine", name,
                                "unsupported_parameter")
             kwargs[name] = value
-        return Job(prompts, req.n, limits, req.stop_list(), kwargs, want_logprobs=top_logprobs is not None)
+        spec, param = structure
+        if spec is not None:
+            if not self.structured_ok:
+                raise APIError(400, f"{param}: structured outputs are not available on this server (they need the "
+                               "'structured' extra: pip install 'hf-paged-attn[structured]')", param,
+                               "unsupported_parameter")
+            kwargs.update(structured=spec, tokenizer=self.tokenizer)
+        return Job(prompts, req.n, limits, req.stop_list(), kwargs, want_logprobs=top_logprobs is not None,
+                   structured_param=param)
 
     def _sampling_changes(self, req: Any) -> dict[str, Any]:
         """The generation-config fields the request sets to something other than the engine's."""
@@ -219,13 +270,24 @@ class Handlers:
         config.num_return_sequences = 1
         return config
 
-    def _start(self, job: Job) -> JobRun:
+    async def _start(self, job: Job) -> JobRun:
         num_new = len(job.prompts) * job.n
         if self.loop.num_unfinished + num_new > self.settings.max_queue:
             raise APIError(429, f"the server's queue is full ({self.settings.max_queue} requests); retry later",
                            None, "queue_full")
         run = JobRun(job, self.loop, self.tokenizer)
-        run.submit()
+        if "structured" not in job.engine_kwargs:
+            run.submit()  # ~0.2 ms: on the event loop, no thread hop
+            return run
+        # The engine compiles the grammar inside add_request: off the event loop (see __init__ for which thread).
+        pool = self._grammar_pool if self._grammars_ready else self._pool
+        future = asyncio.get_running_loop().run_in_executor(pool, run.submit)
+        try:
+            await asyncio.shield(future)
+        except asyncio.CancelledError:  # our caller went away: what was queued must not run unheard
+            future.add_done_callback(lambda _: run.abort())
+            raise
+        self._grammars_ready = True
         return run
 
 
@@ -313,9 +375,13 @@ async def _completion_chunks(
         yield {**base, "choices": [], "usage": _usage(run.job)}
 
 
-async def _chat_chunks(run: JobRun, meta: dict[str, Any], usage: bool) -> AsyncIterator[dict[str, Any]]:
+async def _chat_chunks(
+    run: JobRun, meta: dict[str, Any], usage: bool, tools: ToolCallFormat | None = None
+) -> AsyncIterator[dict[str, Any]]:
+    """The chunks of a streamed chat; with ``tools``, tool calls as OpenAI streams them."""
     base = {**meta, "object": "chat.completion.chunk"}
     extra = {"usage": None} if usage else {}
+    parsers = {choice.index: ToolCallStream(tools) for choice in run.job.choices} if tools is not None else {}
     for choice in run.job.choices:
         first = {"index": choice.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                  "finish_reason": None}
@@ -323,11 +389,22 @@ async def _chat_chunks(run: JobRun, meta: dict[str, Any], usage: bool) -> AsyncI
     async for event in run.events():
         if not (event.text or event.logprobs or event.finish_reason):
             continue
+        deltas: list[dict[str, Any]] = [{"content": event.text} if event.text else {}]
+        finish = event.finish_reason
+        parser = parsers.get(event.choice.index)
+        if parser is not None:  # one chunk per tool-call delta (a call's first one apart), as OpenAI sends them
+            found = parser.feed(event.text, final=finish is not None)
+            deltas = [{"content": found.content}] if found.content else []
+            deltas = deltas + [{"tool_calls": [call]} for call in found.tool_calls] or [{}]
+            if parser.num_calls and finish == "stop":
+                finish = "tool_calls"
+            if not (deltas[0] or event.logprobs or finish):
+                continue
         logprobs = _chat_logprobs(event.logprobs) if run.job.want_logprobs else None
-        delta = {"content": event.text} if event.text else {}
-        choice = {"index": event.choice.index, "delta": delta, "logprobs": logprobs,
-                  "finish_reason": event.finish_reason}
-        yield {**base, "choices": [choice], **extra}
+        for i, delta in enumerate(deltas):
+            choice = {"index": event.choice.index, "delta": delta, "logprobs": logprobs if i == 0 else None,
+                      "finish_reason": finish if i == len(deltas) - 1 else None}
+            yield {**base, "choices": [choice], **extra}
     if usage:
         yield {**base, "choices": [], "usage": _usage(run.job)}
 

@@ -17,8 +17,12 @@ from .engine_loop import EngineLoop
 from .protocol import APIError
 from .text import IncrementalText, make_decoder
 
-# The engine's finish reasons in OpenAI's words: "stop" for EOS and stop strings, "length" for max_tokens.
+# The engine's finish reasons in OpenAI's words: "stop" for EOS, stop strings and a complete structured
+# output, "length" for max_tokens.
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+# How the engine's ValueError for a structured spec it cannot compile begins (runtime/structured.py:
+# the spec's field, e.g. 'json: Unimplemented keys: ["uniqueItems"]').
+STRUCTURED_ERRORS = ("json", "regex", "choice", "grammar", "StructuredSpec", "structured")
 # What a log-probability of -inf (a token the sampling settings exclude, e.g. outside top_p) is shown
 # as: JSON has no infinity, and vLLM answers the same finite stand-in.
 MIN_LOGPROB = -9999.0
@@ -62,8 +66,9 @@ class ChoiceEvent:
 class Job:
     """``prompts`` x ``n`` engine requests with the same sampling settings.
 
-    ``engine_kwargs`` go to ``engine.add_request`` (generation_config, logprobs, seed, tokenizer);
-    a ``seed`` is offset by the choice's index so that ``n`` seeded choices differ.
+    ``engine_kwargs`` go to ``engine.add_request`` (generation_config, logprobs, seed, tokenizer,
+    structured); a ``seed`` is offset by the choice's index so that ``n`` seeded choices differ.
+    ``structured_param``: the request field a structured spec comes from (named in its errors).
     """
 
     prompts: list[list[int]]
@@ -72,6 +77,7 @@ class Job:
     stop: list[str]
     engine_kwargs: dict[str, Any]
     want_logprobs: bool = False
+    structured_param: str | None = None
     choices: list[Choice] = field(default_factory=list)
 
     @property
@@ -84,9 +90,10 @@ class Job:
 
 
 class JobRun:
-    """``job`` on the engine: ``submit`` (raises APIError, queues nothing on failure), then
-    iterate ``events`` until every choice has finished. Choices left unfinished when ``events``
-    stops (client gone, task cancelled) or on ``abort`` are aborted in the engine."""
+    """``job`` on the engine: ``submit`` (raises APIError, queues nothing on failure; may run in
+    another thread than the event loop's), then iterate ``events`` until every choice has finished.
+    Choices left unfinished when ``events`` stops (client gone, task cancelled) or on ``abort`` are
+    aborted in the engine."""
 
     def __init__(self, job: Job, loop: EngineLoop, tokenizer: Any) -> None:
         self.job = job
@@ -109,6 +116,10 @@ class JobRun:
                     job.choices.append(choice)
         except (ValueError, NotImplementedError) as exc:  # the engine refused it: the whole request fails
             self.abort()
+            param = job.structured_param if job.structured_param and str(exc).startswith(STRUCTURED_ERRORS) else None
+            if param is not None:
+                raise APIError(400, f"{param}: the output cannot be constrained to this: {exc}", param,
+                               "invalid_structured_output") from None
             raise APIError(400, str(exc), None, "invalid_request") from None
         except RuntimeError as exc:  # shutting down
             self.abort()

@@ -10,18 +10,24 @@ which the tokenizer cannot take) and of bounded length, lists and maps of bounde
 that depend on the served model or the server's settings (token ids below the vocabulary size,
 prompt characters, prompts x ``n`` against the queue) are checked by ``check(limits)`` right after.
 A new field is one more annotated attribute here (and, if the engine cannot honour it yet, one more
-name in ``unsupported_options``).
+name in ``unsupported_options``). Checks across fields (one way to constrain the output, a
+``tool_choice`` that fits the ``tools``) are ``check_fields``. The structured-output fields are
+``structured.StructuredFields``; the tool models are in ``tools``.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
 from .errors import APIError, short
+from .fields import max_items, text, valid_unicode
 from .limits import RequestLimits
+from .structured import StructuredFields
+from .tools import MAX_ID_CHARS, MAX_TOOLS, MessageToolCall, ToolChoice, Tools, check_tools, template_tools
 
 __all__ = [
     "APIError", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "ContentPart", "RequestLimits",
@@ -44,36 +50,7 @@ INT64 = 1 << 63  # OpenAI's (and vLLM's) range of ``seed``: a signed 64-bit inte
 
 
 # ------------------------------------------------------------------------------------ field types
-def _valid_unicode(text: str) -> str:
-    if not text.isascii():
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:  # a lone surrogate: JSON's "\ud800" escape, or CESU-8 decoded leniently
-            raise PydanticCustomError(
-                "lone_surrogate", "text must be valid Unicode; found a lone surrogate U+{code} at index {index}",
-                {"code": f"{ord(text[exc.start]):04X}", "index": exc.start},
-            ) from None
-    return text
-
-
-def _text(max_length: int | None = None, min_length: int = 0) -> Any:
-    """``str`` of bounded length and valid Unicode (the length is checked first: cheap)."""
-    return Annotated[str, Field(min_length=min_length, max_length=max_length), AfterValidator(_valid_unicode)]
-
-
-def _max_items(limit: int) -> Any:
-    """A check for maps whose values pydantic validates one by one: refuse a million entries before
-    pydantic builds a million errors (it stops early on a list's max_length, not on a dict's)."""
-
-    def check(value: Any) -> Any:
-        if isinstance(value, dict) and len(value) > limit:
-            raise PydanticCustomError("too_long", "at most {limit} entries, got {count}",
-                                      {"limit": limit, "count": len(value)})
-        return value
-
-    return check
-
-
+_valid_unicode, _text, _max_items = valid_unicode, text, max_items
 _FLOAT = {"allow_inf_nan": False}
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 _TOKEN_IDS = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
@@ -144,8 +121,9 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
-    """Fields both endpoints share. ``None`` means: the model's ``generation_config`` decides."""
+class _Sampling(StructuredFields):
+    """Fields both endpoints share. ``None`` means: the model's ``generation_config`` decides.
+    (Structured outputs, ``response_format`` and vLLM's fields: ``structured.StructuredFields``.)"""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -171,6 +149,10 @@ class _Sampling(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
         return bad
+
+    def check_fields(self) -> None:
+        """Checks across fields (APIError 400 naming one)."""
+        self.structured()
 
     def check(self, limits: RequestLimits) -> None:
         """The bounds that depend on the model and the server (APIError 400 naming the field)."""
@@ -230,14 +212,46 @@ class ContentPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
-    content: _text() | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: _text() | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     name: _text(MAX_NAME_CHARS) | None = None
+    tool_calls: Annotated[list[MessageToolCall], Field(max_length=MAX_TOOLS)] | None = None  # assistant
+    tool_call_id: _text(MAX_ID_CHARS) | None = None  # tool: the call this answers
+
+    @model_validator(mode="after")
+    def _fits_its_role(self) -> ChatMessage:
+        def fail(message: str) -> PydanticCustomError:
+            return PydanticCustomError("invalid_message", message)
+
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise fail("content is required (null only in an assistant message with tool_calls)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise fail("only an assistant message has tool_calls")
+        if (self.tool_call_id is None) == (self.role == "tool"):
+            raise fail("a tool message needs tool_call_id (the call it answers), and only a tool message has one")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates take it (transformers' shape: a call's arguments as a dict)."""
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        if self.role == "tool":
+            message["tool_call_id"] = self.tool_call_id
+            if self.name is not None:
+                message["name"] = self.name
+        return message
+
+    def num_chars(self) -> int:
+        calls = sum(len(c.function.name) + len(c.function.arguments) for c in self.tool_calls or [])
+        return len(self.text()) + len(self.name or "") + calls
 
 
 class ChatCompletionRequest(_Sampling):
@@ -247,26 +261,40 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     logit_bias: LogitBias | None = None
-    # Accepted only when absent or empty/false: we have no tools, structured output or storage.
-    tools: list[Any] | None = Field(default=None, max_length=128)
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
-    response_format: Annotated[dict[str, Any], AfterValidator(_max_items(16))] | None = None
+    tools: Tools | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # None: OpenAI's default, true
+    # Accepted only when absent or false: we have no storage.
     store: bool | None = None
     metadata: Annotated[dict[_text(64), _text(512)], AfterValidator(_max_items(16))] | None = None  # OpenAI's bounds
 
     def unsupported_options(self) -> list[str]:
         bad = super().unsupported_options()
-        bad += [name for name in ("tools", "logit_bias", "response_format") if getattr(self, name)]
-        if self.tool_choice not in (None, "none"):
-            bad.append("tool_choice")
+        if self.logit_bias:
+            bad.append("logit_bias")
         if self.store:
             bad.append("store")
-        if self.response_format and self.response_format.get("type") == "text":
-            bad.remove("response_format")  # plain text is what we produce anyway
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
         return bad
+
+    def check_fields(self) -> None:
+        super().check_fields()
+        check_tools(self.tools, self.tool_choice)
+        if self.forced_tool_call() and self.structured()[0] is not None:
+            raise APIError(400, f"tool_choice={self.tool_choice_name()} already constrains the output; it cannot "
+                           f"be combined with {self.structured()[1]}", "tool_choice", "invalid_value")
+
+    def forced_tool_call(self) -> bool:
+        """True if the output must be a tool call (``required`` or a named function)."""
+        return bool(self.tools) and self.tool_choice not in (None, "none", "auto")
+
+    def parses_tool_calls(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def tool_choice_name(self) -> str:
+        choice = self.tool_choice
+        return choice if isinstance(choice, str) or choice is None else f"function {choice.function.name!r}"
 
     def token_limit(self) -> int | None:
         if self.max_tokens is not None and self.max_completion_tokens is not None:
@@ -278,7 +306,9 @@ class ChatCompletionRequest(_Sampling):
         if self.n > limits.max_choices:
             raise APIError(400, f"n={self.n} is more generations than this server runs at once "
                            f"({limits.max_choices}, --max-queue)", "n", "too_many_choices")
-        num_chars = sum(len(m.text()) + len(m.name or "") for m in self.messages)
+        num_chars = sum(m.num_chars() for m in self.messages)
+        if self.tools:
+            num_chars += len(json.dumps(template_tools(self.tools)))
         if num_chars > limits.max_prompt_chars:
             raise APIError(400, f"the messages have {num_chars} characters; this server accepts at most "
                            f"{limits.max_prompt_chars}", "messages", "prompt_too_long")
@@ -300,6 +330,7 @@ def parse(model: type[_Sampling], body: Any, limits: RequestLimits | None = None
     bad = request.unsupported_options()
     if bad:
         raise APIError(400, f"unsupported option(s): {', '.join(bad)}", bad[0].split()[0], "unsupported_parameter")
+    request.check_fields()
     if limits is not None:
         request.check(limits)
     return request

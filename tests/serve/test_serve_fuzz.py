@@ -106,10 +106,13 @@ chat = st.fixed_dictionaries(
      "max_tokens": st.integers(1, 6)},
     optional={**sampling, "logprobs": st.booleans()},
 )
+STRUCTURED_FIELDS = ["response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar"]
 COMPLETION_FIELDS = ["model", "prompt", "max_tokens", "logprobs", "echo", "best_of", "suffix", "logit_bias",
-                     *sampling, "stream_options"]
+                     *sampling, "stream_options", *STRUCTURED_FIELDS]
 CHAT_FIELDS = ["model", "messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "logit_bias",
-               "tools", "tool_choice", "response_format", "metadata", "store", *sampling, "stream_options"]
+               "tools", "tool_choice", "parallel_tool_calls", "metadata", "store", *sampling, "stream_options",
+               *STRUCTURED_FIELDS]
 
 
 def encode(body) -> bytes:
@@ -178,7 +181,8 @@ def test_one_hostile_field_is_a_400_naming_it(client, data, chat_endpoint):
     value = data.draw(hostile)
     if chat_endpoint and data.draw(st.booleans()):  # inside a message instead: param is still "messages"
         field = "messages"
-        body["messages"][-1][data.draw(st.sampled_from(["role", "content", "name"]) | safe_text)] = value
+        key = data.draw(st.sampled_from(["role", "content", "name", "tool_calls", "tool_call_id"]) | safe_text)
+        body["messages"][-1][key] = value
     else:
         body[field] = value
     path = "/v1/chat/completions" if chat_endpoint else "/v1/completions"
