@@ -112,8 +112,8 @@ class StructuredSpec:
                 raise ValueError(f"json: a JSON schema must be an object, got {type(schema).__name__}")
             try:
                 text = json.dumps(schema, ensure_ascii=False)  # keeps the property order: it is the output's
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"json: the schema is not JSON-serializable ({e})") from None
+            except (TypeError, ValueError, RecursionError) as e:  # a cycle, or nesting deeper than Python's stack
+                raise ValueError(f"json: the schema is not JSON-serializable ({type(e).__name__}: {e})") from None
         elif kind == "json_object":
             if self.json_object is not True:
                 raise ValueError(f"json_object must be True or False, got {self.json_object!r}")
