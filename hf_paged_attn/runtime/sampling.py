@@ -243,11 +243,10 @@ def sample_rows(
     logits: torch.Tensor, requests: list[Request], generator: torch.Generator, history: TokenHistory | None = None
 ) -> list[Sample | Exception]:
     """``sample_tokens``, where a request whose sampling raises (e.g. a custom logits processor) gets
-    the exception instead: the step then samples row by row so that the others go on."""
-    try:
-        return sample_tokens(logits, requests, generator, history)
-    except Exception:
-        return [sample_one(logits[row : row + 1], r, generator, history) for row, r in enumerate(requests)]
+    the exception instead and the others go on. A failure costs its neighbours nothing: each row of
+    its own is sampled once (a seeded request's generator is never drawn twice), and only a stack
+    that raised is sampled again, row by row."""
+    return sample_tokens(logits, requests, generator, history, isolate=True)
 
 
 def sample_one(
@@ -264,7 +263,8 @@ def sample_tokens(
     requests: list[Request],
     generator: torch.Generator | None,
     history: TokenHistory | None = None,
-) -> list[Sample]:
+    isolate: bool = False,
+) -> list[Sample | Exception]:
     """One sample per request. logits: [num_requests, vocab] float32, row i for requests[i].
 
     Greedy rows are one batched argmax; rows whose plans share a key (``batch_key``: e.g. every
@@ -272,7 +272,8 @@ def sample_tokens(
     call) run their processors once on their stacked rows and draw together; the others (their own
     generator, scores or log-probs to record) one by one. ``history``: the engine's ids of each
     request whose plan reads them (a request is added at its first sample); None reads them from
-    the requests themselves (tests).
+    the requests themselves (tests). ``isolate``: a row's exception is returned as its sample
+    (``sample_rows``) rather than raised.
     """
     tokens = logits.argmax(dim=-1).tolist()  # greedy rows need nothing more
     samples: list[Sample | None] = [None] * len(requests)
@@ -284,20 +285,42 @@ def sample_tokens(
         elif params.batch_key is not None:
             together.setdefault(params.batch_key, []).append(row)
         else:
-            samples[row] = _sample_row(logits[row : row + 1], request, generator, history)
+            try:
+                samples[row] = _sample_row(logits[row : row + 1], request, generator, history)
+            except Exception as exc:
+                if not isolate:
+                    raise
+                samples[row] = exc
     for rows in together.values():
-        stack = [requests[row] for row in rows]
-        plan, do_sample = stack[0].sampling.plan, stack[0].sampling.do_sample
-        raw = logits[torch.tensor(rows, device=logits.device)]  # [R, vocab], a copy the plan may change
-        ids = _rows(stack, history, logits.device) if plan.needs_rows else None
-        scores = run_plans([r.sampling.plan for r in stack], ids, raw, tail=False)
-        scores, candidates = stacked_scores(plan.row_free_tail, scores)
-        drawn = draw(torch.softmax(scores, dim=-1), generator) if do_sample else scores.argmax(dim=-1)
-        if candidates is not None:  # positions among each row's top-k candidates -> token ids
-            drawn = candidates.gather(1, drawn.view(-1, 1)).view(-1)
-        for row, token in zip(rows, drawn.tolist()):
-            samples[row] = Sample(token)
+        try:
+            _sample_stack(logits, [requests[row] for row in rows], rows, generator, history, samples)
+        except Exception:
+            if not isolate:
+                raise
+            for row in rows:  # which row raised: each alone
+                samples[row] = sample_one(logits[row : row + 1], requests[row], generator, history)
     return samples
+
+
+def _sample_stack(
+    logits: torch.Tensor,
+    stack: list[Request],
+    rows: list[int],
+    generator: torch.Generator | None,
+    history: TokenHistory | None,
+    samples: list[Sample | Exception | None],
+) -> None:
+    """Requests of one ``batch_key``: their processors once on their stacked rows, one draw."""
+    plan, do_sample = stack[0].sampling.plan, stack[0].sampling.do_sample
+    raw = logits[torch.tensor(rows, device=logits.device)]  # [R, vocab], a copy the plan may change
+    ids = _rows(stack, history, logits.device) if plan.needs_rows else None
+    scores = run_plans([r.sampling.plan for r in stack], ids, raw, tail=False)
+    scores, candidates = stacked_scores(plan.row_free_tail, scores)
+    drawn = draw(torch.softmax(scores, dim=-1), generator) if do_sample else scores.argmax(dim=-1)
+    if candidates is not None:  # positions among each row's top-k candidates -> token ids
+        drawn = candidates.gather(1, drawn.view(-1, 1)).view(-1)
+    for row, token in zip(rows, drawn.tolist()):
+        samples[row] = Sample(token)
 
 
 def _rows(requests: list[Request], history: TokenHistory | None, device: torch.device) -> Rows:

@@ -320,3 +320,25 @@ def test_seeded_sequences_draw_the_same_whatever_runs_beside_them(llama_pair):
     assert tight.stats.num_preemptions > 0, "the crowd did not force a preemption"
     assert crowded == alone
     assert len({tuple(s) for s in alone}) > 1, "the sequences drew the same tokens: not independent"
+
+
+def test_a_failing_neighbour_does_not_redraw_a_seeded_request(llama_pair):
+    """A caller's processor that raises in a step fails its request alone: the seeded requests
+    sampled in that step draw once, as they would alone (the whole step used to be resampled row by
+    row after a failure, drawing their generators twice)."""
+    _, paged = llama_pair
+
+    class Boom(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            raise RuntimeError("boom")
+
+    config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0)
+    prompt = ragged_prompts(1, 7, 7, seed=31)[0]
+    alone = ContinuousBatchingEngine(paged, PagedConfig(block_size=4, num_blocks=64))
+    want = alone.collect([alone.add_request(prompt, max_new_tokens=6, generation_config=config, seed=9)])[0]
+    engine = ContinuousBatchingEngine(paged, PagedConfig(block_size=4, num_blocks=64))
+    mine = engine.add_request(prompt, max_new_tokens=6, generation_config=config, seed=9)
+    bad = engine.add_request(prompt, max_new_tokens=6, logits_processor=LogitsProcessorList([Boom()]))
+    got, failed = engine.collect([mine, bad])
+    assert failed.finish_reason == "error" and "boom" in failed.error
+    assert got.output_ids == want.output_ids
