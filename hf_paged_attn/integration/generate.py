@@ -4,7 +4,7 @@
 A call that carries the caller's ``logits_processor`` or ``stopping_criteria`` runs its rows in
 lockstep (``runtime/lockstep.py``): those run once per step on the whole ``[batch, len]`` ids, as in
 ``generate``. Every other call samples each row as it comes, the built-in processors batched per
-stack of rows (``runtime/processors.py``).
+stack of rows (``runtime/processors/``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ in transformers' ``_sample``.
 A caller's processor or criterion may read every row at once and keep state across steps (lm-eval's
 ``MultiTokenEOSCriteria`` keeps a ``done_tracker`` per row and returns one bool for the batch), so it
 must see exactly what ``generate`` shows it: every row of the batch, its padding, the rows that
-already finished padded with ``pad_token_id``, once per step. ``GenerateBatch`` (``processors.py``)
+already finished padded with ``pad_token_id``, once per step. ``GenerateBatch`` (``processors/``)
 builds those ids; ``Lockstep`` collects the rows' logits as a beam group does (a row whose logits
 are in waits, with nothing to compute, until every live row's are), then runs the batch's
 processors, draws, runs the criteria and says which rows finish.
