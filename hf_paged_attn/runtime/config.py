@@ -55,7 +55,8 @@ class PagedConfig:
             oneDNN. The first step of a model compiles (tens of seconds on a small CPU, logged;
             inductor's disk cache shortens later processes); every later engine on the same model
             reuses it. ``None`` (the default): on for a model on the CPU when a C++ compiler is
-            found (where it was measured to win: benchmarks/README.md), off elsewhere; ``True`` on
+            found (where it was measured to win: benchmarks/README.md) and ``$HF_PAGED_ATTN_COMPILE``
+            is not ``0``, off elsewhere; ``True`` on
             another device raises ValueError; ``False``: eager forwards. A failed compile is logged
             and the engine runs eagerly.
     """
@@ -141,8 +142,17 @@ class PagedConfig:
                 f"PagedConfig.compile=True is for models on the CPU (where it is measured); the model is on "
                 f"{device.type}. Leave compile=None to compile where it wins"
             )
-        compile_ = device.type == "cpu" and cpp_compiler() is not None if self.compile is None else self.compile
+        compile_ = self.compile if self.compile is not None else compile_by_default(device)
         return self.replace(kernel=kernel, block_size=block_size, cuda_graphs=cuda_graphs, compile=compile_)
+
+
+COMPILE_ENV = "HF_PAGED_ATTN_COMPILE"  # "0": ``compile=None`` means off (the test suite sets it)
+
+
+def compile_by_default(device: torch.device) -> bool:
+    """What ``compile=None`` means on ``device``: on the CPU with a C++ compiler, unless ``$HF_PAGED_ATTN_COMPILE``
+    is ``0``."""
+    return device.type == "cpu" and os.environ.get(COMPILE_ENV, "1") != "0" and cpp_compiler() is not None
 
 
 @functools.cache
