@@ -73,12 +73,16 @@ def paged_attention_forward(
     )
     q = query[0].transpose(0, 1)  # [N, H, D]
     if inputs.is_decode:
+        new_k = pad_head_dim(key[0].transpose(0, 1), layer.width).unsqueeze(1)  # [B, 1, H_kv, D], appended in place
+        new_v = pad_head_dim(value[0].transpose(0, 1), layer.width).unsqueeze(1)
+        if new_k.stride() != new_v.stride():  # one layout for both, which the native CPU kernel reads them with
+            new_k, new_v = torch.stack((new_k, new_v)).unbind(0)
         out = context.backend.paged_decode_attention(
             q.unsqueeze(1),  # [B, 1, H, D]: one token per request
             layer.keys,
             layer.values,
-            pad_head_dim(key[0].transpose(0, 1), layer.width).unsqueeze(1),  # [B, 1, H_kv, D], appended in place
-            pad_head_dim(value[0].transpose(0, 1), layer.width).unsqueeze(1),
+            new_k,
+            new_v,
             inputs.cache_seqlens,
             inputs.block_table,
             inputs.max_length_k,

@@ -28,7 +28,9 @@ bucket, and everything once a compile has failed (logged, as a failed CUDA graph
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -53,6 +55,7 @@ logger = logging.getLogger(__name__)
 # the graph as constants, so inductor prepacks them for oneDNN: with a dynamic token count also in
 # fp32, where MKL's sgemm runs 2-3x slower on this AMD CPU (benchmarks/README.md, compiled forward).
 INDUCTOR_OPTIONS: dict[str, object] = {"freezing": True}
+SKIP_GUARDS = os.environ.get("HF_PAGED_ATTN_SKIP_GUARDS", "1") != "0"
 RECOMPILE_LIMIT = 64  # dynamo's graphs per code object: buckets x models share one function
 
 
@@ -215,12 +218,19 @@ class CompiledExecutor:
         context = ForwardContext(step, self.eager.backend)
         token = COMPILED_STEP.set(CompiledStep(context, self.eager.cache, self.compiled.modules, n))
         try:
-            with self.eager.cache.forward(context), torch._inductor.config.patch(INDUCTOR_OPTIONS):
+            with self.eager.cache.forward(context), torch._inductor.config.patch(INDUCTOR_OPTIONS), self._guards():
                 logits = self.compiled.forward(input_ids, position_ids, indices)
         finally:
             COMPILED_STEP.reset(token)
         self.num_compiled_steps += 1
         return logits[:num_sampled].float()
+
+    def _guards(self):  # noqa: ANN202
+        """Once the graph exists, dynamo checks only the guards that tell its graphs apart (not
+        every parameter and module attribute of the model: ~0.2-0.4 ms a step here)."""
+        if SKIP_GUARDS and self.compiled.shapes:
+            return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+        return contextlib.nullcontext()
 
     def close(self) -> None:
         pass
