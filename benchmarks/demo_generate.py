@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 import hf_paged_attn  # noqa: F401  registers "paged"
 from hf_paged_attn import PagedConfig
 from hf_paged_attn.demo import DEMO_MODEL, PROMPTS
+from hf_paged_attn.runtime.compiled import wait_compiled
 from hf_paged_attn_tools.bench.profile import StepProfile, format_profile
 from hf_paged_attn_tools.testing import left_padded
 
@@ -93,7 +94,8 @@ def main(argv: list[str] | None = None) -> None:
             compiled, prompts, len(prompts), config, pad, paged_config=on
         )
         start = time.perf_counter()
-        padded_generate(compiled, prompts[:4], 4, config, pad, paged_config=on)  # compiles
+        padded_generate(compiled, prompts[:4], 4, config, pad, paged_config=on)  # starts the compile
+        wait_compiled(compiled)
         print(f"compiled the paged model's forward in {time.perf_counter() - start:.1f} s (warm-up included)")
     if args.compile in ("both", "off"):
         off = PagedConfig(compile=False)

@@ -45,22 +45,28 @@ ROWS = ("demo-float32", "demo-bfloat16", "random-float32", "random-bfloat16")
 # ----------------------------------------------------------------------------- workers
 def run_ours(job: dict) -> dict:
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     import hf_paged_attn  # noqa: F401  registers "paged"
     from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
+    from hf_paged_attn.core.blocks import blocks_for
 
     torch.set_num_threads(job["threads"])
     start = time.perf_counter()
     dtype = getattr(torch, job["dtype"])
     model = AutoModelForCausalLM.from_pretrained(job["model"], attn_implementation="paged", dtype=dtype).eval()
-    config = PagedConfig(**job.get("ours_config", {}))
-    from transformers import GenerationConfig
-
+    # As vLLM is run: prefix caching off (every timed run recomputes every prompt), one engine kept
+    # across runs; the cache holds the whole workload at once (vLLM's 2 GiB holds more).
+    settings = {"enable_prefix_caching": False, **job.get("ours_config", {})}
+    config = PagedConfig(**settings)
+    num_blocks = sum(blocks_for(len(p) + n, config.resolved(torch.device("cpu")).block_size)
+                     for p, n in zip(job["prompts"], job["max_new_tokens"]))  # fmt: skip
     greedy = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0)
+    engine = ContinuousBatchingEngine(model, config, generation_config=greedy, num_blocks=num_blocks)
+    if hasattr(engine.executor, "wait"):  # the compile (background) is part of the start-up
+        engine.executor.wait()
 
     def once() -> list[list[int]]:
-        engine = ContinuousBatchingEngine(model, config, generation_config=greedy)
         outs = engine.generate(job["prompts"], max_new_tokens=job["max_new_tokens"], progress_bar=False)
         return [list(o.output_ids) for o in outs]
 
@@ -71,7 +77,8 @@ def run_ours(job: dict) -> dict:
         t = time.perf_counter()
         tokens = once()
         times.append(time.perf_counter() - t)
-    return {"startup": startup, "times": times, "tokens": tokens}
+    compile_times = torch._dynamo.utils.compile_times(repr="str", aggregate=True) if job.get("compile_times") else ""
+    return {"startup": startup, "times": times, "tokens": tokens, "compile_times": compile_times}
 
 
 def run_vllm(job: dict) -> dict:
@@ -80,7 +87,7 @@ def run_vllm(job: dict) -> dict:
 
     start = time.perf_counter()
     llm = LLM(model=job["model"], dtype=job["dtype"], skip_tokenizer_init=True, max_model_len=job["max_model_len"],
-              seed=0, disable_log_stats=True)  # fmt: skip
+              seed=0, disable_log_stats=True, enable_prefix_caching=False)  # fmt: skip
     prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
               for n in job["max_new_tokens"]]  # fmt: skip

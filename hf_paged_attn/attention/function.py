@@ -161,8 +161,8 @@ class CompiledStep:
     each layer's attention module (``layer_idx`` -> module) and how many of the graph's packed rows
     are real (the rest are padding rows of the executor's shape bucket)."""
 
-    context: ForwardContext
-    cache: PagedAttentionCache
+    context: ForwardContext | None  # None (and cache None) in a compile's example step, of padding rows only
+    cache: PagedAttentionCache | None
     modules: dict[int, torch.nn.Module]
     num_tokens: int
 
@@ -190,6 +190,8 @@ def step_attention(
     step = COMPILED_STEP.get()
     assert step is not None, "hf_paged_attn::step_attention runs only inside a compiled step"
     n, rows = step.num_tokens, query.shape[2]
+    if n == 0:  # a compile's example step: padding rows only
+        return query.new_zeros(1, rows, query.shape[1], value.shape[-1])
     if n < rows:
         query, key, value = query[:, :, :n], key[:, :, :n], value[:, :, :n]
     key, value = step.cache.update(key, value, layer_idx)

@@ -1,29 +1,33 @@
 """A compiled forward for the CPU: the model's forward through ``torch.compile`` (inductor), as vLLM
 compiles its models, with the paged attention left to the compiler as one opaque op.
 
-``CompiledExecutor`` wraps a ``LocalExecutor``. A step's packed token axis is padded to a *shape
-bucket* (``token_buckets``: a handful of sizes that cover every step), so a few compiled graphs
-serve every step; each bucket compiles once, the first time a step of that size comes, and the
-graphs are kept per model (``compiled_model``), so a second engine (a second ``model.generate``) on
-the same model compiles nothing. Inductor's on-disk cache makes a later process's compiles short.
+``CompiledExecutor`` wraps a ``LocalExecutor``. One graph serves every step: its token count is
+dynamic (``run_graph``), as vLLM's is (bucketing, one static graph per padded size, compiled 5
+graphs in 94 s where the dynamic one took 40 s, and static shapes make inductor pick MKL's slow
+fp32 matmuls here: benchmarks/README.md). The compile runs in a background thread on a step of
+padding rows (``CompiledModel.start``, logged), so no request waits for it: steps run eagerly until
+the graph is ready. It is kept per model (``compiled_model``): a second engine (a second
+``model.generate``) on the same model compiles nothing.
 
 What the graph sees:
 
-- ``input_ids`` / ``position_ids`` [1, M] (``M`` the bucket) and ``logits_indices`` [S] (marked
-  dynamic: how many rows a step samples varies apart from its size);
+- ``input_ids`` / ``position_ids`` [1, N] and ``logits_indices`` [S], both sizes dynamic;
 - a ``StepCache`` in place of the paged cache, whose ``update`` hands K/V through, and the constant
   ``COMPILED`` as the ``paged_forward`` kwarg: nothing in the graph depends on the step, so the
   graph never guards on (and recompiles for) a step's Python numbers or its ``ForwardContext``;
 - each layer's attention as ``hf_paged_attn::step_attention`` (``attention/function.py``), which
   reaches the step through ``COMPILED_STEP`` and runs the eager kernels on the real rows.
 
-Padding rows (the bucket's rows after the step's) are harmless: the attention op never lets them
-touch the cache and returns zeros for them; every other op of a decoder is row-wise (projections,
-norms, rotary, MLP), so they cannot change a real row; their logits are never taken.
+Padding rows (a one-token step pads to two rows, since dynamo specialises a size of 1; the
+warm-up's rows) are harmless: the attention op never lets them touch the cache and returns zeros
+for them; every other op of a decoder is row-wise (projections, norms, rotary, MLP), so they
+cannot change a real row; their logits are never taken.
 
-What runs eagerly instead: the first step of an engine (it confirms each layer's window and runs
-the model checks, ``check_attention_call``, that the graph skips), steps wider than the largest
-bucket, and everything once a compile has failed (logged, as a failed CUDA graph capture is).
+What runs eagerly instead: every step until the graph is ready, the first step of an engine (it
+confirms each layer's window and runs the model checks, ``check_attention_call``, that the graph
+skips), beam search, and everything once the compile has failed (logged, as a failed CUDA graph
+capture is). The frozen weights are copies the graph holds: a model whose weights change after
+its compile (training between generations) must run with ``PagedConfig(compile=False)``.
 """
 
 from __future__ import annotations
@@ -31,8 +35,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -50,25 +56,16 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Inductor options of the compiled forward, patched around every call (a compile may come at any
-# call; ``torch.compile(options=)`` does not apply ``freezing``). ``freezing`` folds the weights into
-# the graph as constants, so inductor prepacks them for oneDNN: with a dynamic token count also in
-# fp32, where MKL's sgemm runs 2-3x slower on this AMD CPU (benchmarks/README.md, compiled forward).
+# Inductor options of the compiled forward, patched around every call (``torch.compile(options=)``
+# does not apply ``freezing``). ``freezing`` folds the weights into the graph as constants, so inductor
+# prepacks them for oneDNN: with a dynamic token count in fp32 too, where MKL's sgemm (what eager
+# fp32 runs, and inductor's choice for static shapes) is 2-3x slower on this AMD CPU
+# (benchmarks/README.md, "A compiled forward"). The packed weights can't be pickled, so inductor's disk
+# cache is bypassed: every process compiles once.
 INDUCTOR_OPTIONS: dict[str, object] = {"freezing": True}
+WARMUP_ROWS = 16  # the compile's example step (oneDNN packs the weights for about this many rows)
+RECOMPILE_LIMIT = 64  # dynamo's graphs per code object: every model compiles the same function
 SKIP_GUARDS = os.environ.get("HF_PAGED_ATTN_SKIP_GUARDS", "1") != "0"
-RECOMPILE_LIMIT = 64  # dynamo's graphs per code object: buckets x models share one function
-
-
-def token_buckets(max_batch_tokens: int, smallest: int = 2) -> list[int]:
-    """Packed-token sizes that get a graph: powers of two from ``smallest`` up, then
-    ``max_batch_tokens``. A step pads to the first that holds it (at most 2x its rows, and decode
-    steps of a few requests, the common case, pad by a row or two). ``smallest`` >= 2: dynamo
-    specialises a size of 1, so a bucket of one row would compile apart from the dynamic one."""
-    sizes, size = [], smallest
-    while size < max_batch_tokens:
-        sizes.append(size)
-        size *= 2
-    return [*sizes, max_batch_tokens]
 
 
 class StepCache(Cache):
@@ -90,13 +87,50 @@ class StepCache(Cache):
 
 @dataclass(slots=True)
 class CompiledModel:
-    """One model's compiled forward, shared by every engine on the model (``compiled_model``)."""
+    """One model's compiled forward, shared by every engine on the model (``compiled_model``).
 
-    forward: object  # torch.compile'd: (input_ids [1, M], position_ids [1, M], logits_indices [S]) -> logits
+    The compile runs in a background thread (``start``) on an example step of padding rows only,
+    which never touches a cache; ``ready`` is set when it is done (or has failed: ``failed`` says why).
+    """
+
+    forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     modules: dict[int, torch.nn.Module]  # layer_idx -> attention module
-    shapes: set[int | None] = field(default_factory=set)  # buckets compiled so far (None: the dynamic graph)
-    failed: str | None = None  # why a compile failed: then this model runs eagerly
+    ready: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+    failed: str | None = None  # why the compile failed: then this model runs eagerly
     compile_seconds: float = 0.0
+    num_compiles: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def start(self, device: torch.device) -> None:
+        """Compile in the background, once (later calls do nothing)."""
+        with self.lock:
+            if self.thread is not None:
+                return
+            self.thread = threading.Thread(target=self._compile, args=(device,), name="hf_paged_attn-compile",
+                                           daemon=True)  # fmt: skip
+            self.thread.start()
+
+    def _compile(self, device: torch.device) -> None:
+        logger.warning(
+            "hf_paged_attn: compiling the model's forward in the background (once per model and process; steps run "
+            "eagerly meanwhile; PagedConfig(compile=False) turns it off)"
+        )
+        start = time.perf_counter()
+        try:
+            with torch.inference_mode():  # as the engine's steps are: dynamo guards on inference tensors
+                ids = torch.zeros(1, WARMUP_ROWS, dtype=torch.long, device=device)
+                positions, indices = ids.clone(), torch.arange(2, device=device)
+            run_graph(self, CompiledStep(None, None, self.modules, 0), ids, positions, indices)
+        except Exception as exc:
+            self.failed = f"{type(exc).__name__}: {exc}"
+            logger.warning("hf_paged_attn: compiling the model's forward failed (%s); steps run eagerly", self.failed)
+        else:
+            self.compile_seconds = time.perf_counter() - start
+            self.num_compiles += 1
+            logger.warning("hf_paged_attn: compiled the model's forward in %.1f s", self.compile_seconds)
+        finally:
+            self.ready.set()
 
 
 _MODELS: weakref.WeakKeyDictionary[torch.nn.Module, CompiledModel] = weakref.WeakKeyDictionary()
@@ -138,99 +172,97 @@ def compiled_model(model: torch.nn.Module, windows: list[int | None]) -> Compile
     return found
 
 
+@torch.inference_mode()
+def run_graph(
+    compiled: CompiledModel,
+    step: CompiledStep,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    logits_indices: torch.Tensor,
+) -> torch.Tensor:
+    """The compiled forward on [1, M] ids and positions (M >= 2, ``step.num_tokens`` of them real) and
+    ``logits_indices`` [S >= 2]: logits [S, vocab] as the model returns them. The token and sampled
+    counts are dynamic: dynamo specialises sizes 0 and 1, which callers pad away."""
+    torch._dynamo.maybe_mark_dynamic(input_ids, 1)
+    torch._dynamo.maybe_mark_dynamic(position_ids, 1)
+    torch._dynamo.maybe_mark_dynamic(logits_indices, 0)
+    # Once the graph exists, dynamo checks only the guards that tell graphs apart, not every
+    # parameter and attribute of the model (0.2-0.4 ms a step here).
+    skip = SKIP_GUARDS and compiled.ready.is_set()
+    stance = torch.compiler.set_stance("default", skip_guard_eval_unsafe=True) if skip else contextlib.nullcontext()
+    token = COMPILED_STEP.set(step)
+    try:
+        with torch._inductor.config.patch(INDUCTOR_OPTIONS):
+            try:
+                with stance:
+                    return compiled.forward(input_ids, position_ids, logits_indices)
+            except RuntimeError as exc:  # a step the graph's guards reject: compile for it, checking every guard
+                if not skip or "skip_guard_eval_unsafe" not in str(exc):
+                    raise
+                logger.info("hf_paged_attn: a step needs another graph (%s)", exc)
+                return compiled.forward(input_ids, position_ids, logits_indices)
+    finally:
+        COMPILED_STEP.reset(token)
+
+
+def wait_compiled(model: torch.nn.Module, timeout: float | None = None) -> bool:
+    """Wait until ``model``'s background compile is done; True when its graph is ready (False: no
+    compile was started for it, it failed, or ``timeout`` seconds passed)."""
+    found = _MODELS.get(model)
+    return found is not None and found.thread is not None and found.ready.wait(timeout) and found.failed is None
+
+
 class CompiledExecutor:
-    """Steps through ``model``'s compiled forward; the others through ``eager``.
+    """Steps through ``model``'s compiled forward once it is ready; until then (and for the first
+    step, beam search, and after a failed compile) through ``eager``. ``wait()`` blocks until the
+    compile is done. ``num_compiled_steps`` counts the steps the graph ran; ``compiled.num_compiles``
+    the model's compiles (one per model and process)."""
 
-    ``buckets``: None (the default) compiles one graph whose token count is dynamic (steps of one
-    row pad to two: dynamo specialises a size of 1); a list of sizes compiles one static graph per
-    size (``token_buckets``), padding each step to the first that holds it. ``num_compiles`` counts
-    the compiles this executor ran (a second engine on the same model runs none).
-    """
-
-    def __init__(self, eager: LocalExecutor, layers: LayerKinds, buckets: list[int] | None = None) -> None:
+    def __init__(self, eager: LocalExecutor, layers: LayerKinds) -> None:
         self.eager = eager
         self.layers = layers
-        self.buckets = buckets
         self.compiled = compiled_model(eager.model, layers.windows)
-        self.num_compiles = 0
         self.num_compiled_steps = 0
+        self.num_padded_steps = 0
 
     @property
     def failed(self) -> str | None:
         return "the model's layers can't be addressed by layer_idx" if self.compiled is None else self.compiled.failed
 
-    def rows_for(self, step: StepMetadata) -> int | None:
-        """The packed rows ``step`` runs at, or None when it runs eagerly."""
-        if self.failed is not None or not self.layers.observed or step.has_beams:
-            return None
-        if self.buckets is None:
-            return max(step.num_tokens, 2)
-        return next((b for b in self.buckets if b >= step.num_tokens), None)
+    def wait(self, timeout: float | None = None) -> bool:
+        """Start the compile if it has not started, and wait for it; True when the graph is ready."""
+        if self.compiled is None:
+            return False
+        self.compiled.start(next(self.eager.model.parameters()).device)
+        self.compiled.ready.wait(timeout)
+        return self.compiled.ready.is_set() and self.compiled.failed is None
 
     def execute(self, step: StepMetadata) -> torch.Tensor:
         """Logits of the step's sampled rows, [num_sampled, vocab] float32."""
-        rows = self.rows_for(step)
-        if rows is None:
+        if self.failed is not None or not self.layers.observed or step.has_beams:
+            return self.eager.execute(step)
+        if not self.compiled.ready.is_set():
+            self.compiled.start(step.input_ids.device)
             return self.eager.execute(step)
         self.eager.prepare(step)
-        shape = None if self.buckets is None else rows
-        if shape in self.compiled.shapes:
-            return self._run(step, rows)
-        return self._compile(step, rows, shape)
+        return self._run(step)
 
-    def _compile(self, step: StepMetadata, rows: int, shape: int | None) -> torch.Tensor:
-        """The first step of a shape: compiles it (logged); on failure every step of this model
-        runs eagerly from now on (logged), this one included."""
-        what = "any number of tokens" if shape is None else f"steps of up to {shape} tokens"
-        logger.info("compiling the model's forward for %s (once per model; cached on disk for later runs)", what)
-        start = time.perf_counter()
-        try:
-            logits = self._run(step, rows)
-        except Exception as exc:
-            self.compiled.failed = f"{type(exc).__name__}: {exc}"
-            logger.warning("compiling the model's forward failed (%s); steps run eagerly", self.compiled.failed)
-            return self.eager.forward(step)  # K/V rewrites are idempotent: same slots, same values
-        seconds = time.perf_counter() - start
-        self.compiled.shapes.add(shape)
-        self.compiled.compile_seconds += seconds
-        self.num_compiles += 1
-        logger.info("compiled the model's forward for %s in %.1f s", what, seconds)
-        return logits
-
-    @torch.inference_mode()
-    def _run(self, step: StepMetadata, rows: int) -> torch.Tensor:
+    def _run(self, step: StepMetadata) -> torch.Tensor:
         n = step.num_tokens
-        input_ids, position_ids = step.input_ids, step.position_ids
-        if n < rows:  # padding rows: token 0 at position 0
-            input_ids = torch.nn.functional.pad(input_ids, (0, rows - n))
-            position_ids = torch.nn.functional.pad(position_ids, (0, rows - n))
-        indices = step.logits_indices
+        input_ids, position_ids, indices = step.input_ids, step.position_ids, step.logits_indices
+        if n < 2:  # a padding row: token 0 at position 0, which the attention op never lets near the cache
+            input_ids = torch.nn.functional.pad(input_ids, (0, 2 - n))
+            position_ids = torch.nn.functional.pad(position_ids, (0, 2 - n))
+            self.num_padded_steps += 1
         num_sampled = indices.numel()
-        if num_sampled < 2:  # dynamo specialises sizes 0 and 1: sample at least two rows
+        if num_sampled < 2:
             indices = torch.nn.functional.pad(indices, (0, 2 - num_sampled))
-        torch._dynamo.maybe_mark_dynamic(indices, 0)
-        if self.buckets is None:
-            torch._dynamo.maybe_mark_dynamic(input_ids, 1)
-            torch._dynamo.maybe_mark_dynamic(position_ids, 1)
-        else:  # one graph per bucket: automatic dynamic shapes would make the second bucket's dynamic
-            torch._dynamo.mark_static(input_ids, 1)
-            torch._dynamo.mark_static(position_ids, 1)
         context = ForwardContext(step, self.eager.backend)
-        token = COMPILED_STEP.set(CompiledStep(context, self.eager.cache, self.compiled.modules, n))
-        try:
-            with self.eager.cache.forward(context), torch._inductor.config.patch(INDUCTOR_OPTIONS), self._guards():
-                logits = self.compiled.forward(input_ids, position_ids, indices)
-        finally:
-            COMPILED_STEP.reset(token)
+        with self.eager.cache.forward(context):
+            logits = run_graph(self.compiled, CompiledStep(context, self.eager.cache, self.compiled.modules, n),
+                               input_ids, position_ids, indices)  # fmt: skip
         self.num_compiled_steps += 1
         return logits[:num_sampled].float()
-
-    def _guards(self):  # noqa: ANN202
-        """Once the graph exists, dynamo checks only the guards that tell its graphs apart (not
-        every parameter and module attribute of the model: ~0.2-0.4 ms a step here)."""
-        if SKIP_GUARDS and self.compiled.shapes:
-            return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
-        return contextlib.nullcontext()
 
     def close(self) -> None:
         pass

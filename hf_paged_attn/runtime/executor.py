@@ -125,7 +125,7 @@ class LocalLauncher:
         if self._compiled(model, config):
             from .compiled import CompiledExecutor
 
-            return CompiledExecutor(eager, layers)
+            return CompiledExecutor(eager, layers)  # eager until its background compile is done
         if not self._graphs(model, config):
             return eager
         from .cuda_graphs import CudaGraphExecutor
