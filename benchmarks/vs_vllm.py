@@ -174,8 +174,16 @@ def system_env(system: str, args: argparse.Namespace, work_dir: Path) -> dict[st
         preload.append(tcmalloc(work_dir))
         iomp = Path(args.vllm_python).resolve().parent.parent / "lib" / "libiomp5.so"
         preload.append(str(iomp) if iomp.exists() else None)
-    elif system == "ours+tcmalloc" or args.ours_preload == "tcmalloc":
-        preload.append(tcmalloc(work_dir))
+    else:
+        if system == "ours+tcmalloc" or args.ours_preload == "tcmalloc":
+            preload.append(tcmalloc(work_dir))
+        for name, pairs in (v.split(":", 1) for v in args.variant):
+            if system == f"ours+{name}":
+                for key, value in (pair.split("=", 1) for pair in pairs.split(",")):
+                    if value:
+                        env[key] = value
+                    else:  # K= unsets K
+                        env.pop(key, None)
     preload = [p for p in preload if p]
     if preload:
         env["LD_PRELOAD"] = ":".join(preload)
@@ -197,7 +205,7 @@ def run_process(system: str, job: dict, args: argparse.Namespace, work_dir: Path
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--worker", choices=["ours", "ours+tcmalloc", "vllm"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
@@ -209,6 +217,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ours-config", default="{}", help="PagedConfig fields for ours, as JSON")
     parser.add_argument("--ours-preload", choices=["none", "tcmalloc"], default="none")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME:K=V[,K=V]",
+                        help="a system ours+NAME: ours with these environment variables "
+                        "(e.g. spin:OMP_WAIT_POLICY=ACTIVE; K= unsets K)")
     parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache" / "hf_paged_attn" / "vs_vllm")
     parser.add_argument("--timeout", type=int, default=1800)
     parser.add_argument("--out", type=Path, help="also write the results as JSON here")

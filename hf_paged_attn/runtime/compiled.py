@@ -26,14 +26,16 @@ cannot change a real row; their logits are never taken.
 What runs eagerly instead: every step until the graph is ready, the first step of an engine (it
 confirms each layer's window and runs the model checks, ``check_attention_call``, that the graph
 skips), beam search, and everything once the compile has failed (logged, as a failed CUDA graph
-capture is). The frozen weights are copies the graph holds: a model whose weights change after
-its compile (training between generations) must run with ``PagedConfig(compile=False)``.
+capture is). The frozen weights are copies the graph holds: when any of the model's weights
+changes after the compile (an optimizer step between generations, a loaded state dict; checked at
+every step through version counters, ``CompiledModel.stale``), the model runs eagerly from then on.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import os
 import threading
 import time
@@ -95,6 +97,8 @@ class CompiledModel:
 
     forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     modules: dict[int, torch.nn.Module]  # layer_idx -> attention module
+    tensors: list[torch.Tensor]  # the model's parameters and buffers, whose values the graph froze
+    weights: tuple[int, int] = (0, 0)  # their fingerprint when the compile started (``fingerprint``)
     ready: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
     failed: str | None = None  # why the compile failed: then this model runs eagerly
@@ -107,11 +111,14 @@ class CompiledModel:
         with self.lock:
             if self.thread is not None:
                 return
-            self.thread = threading.Thread(target=self._compile, args=(device,), name="hf_paged_attn-compile",
-                                           daemon=True)  # fmt: skip
+            # inductor's kernels take the compiling thread's thread count: the caller's, not a new thread's default
+            args = (device, torch.get_num_threads())
+            self.weights = fingerprint(self.tensors)
+            self.thread = threading.Thread(target=self._compile, args=args, name="hf_paged_attn-compile", daemon=True)
             self.thread.start()
 
-    def _compile(self, device: torch.device) -> None:
+    def _compile(self, device: torch.device, num_threads: int) -> None:
+        torch.set_num_threads(num_threads)
         logger.warning(
             "hf_paged_attn: compiling the model's forward in the background (once per model and process; steps run "
             "eagerly meanwhile; PagedConfig(compile=False) turns it off)"
@@ -131,6 +138,21 @@ class CompiledModel:
             logger.warning("hf_paged_attn: compiled the model's forward in %.1f s", self.compile_seconds)
         finally:
             self.ready.set()
+
+
+    def stale(self) -> bool:
+        """Whether a weight changed since the compile froze them (an optimizer step, a loaded state
+        dict, a replaced ``.data``): the graph would compute with the old values."""
+        return fingerprint(self.tensors) != self.weights
+
+
+def fingerprint(tensors: list[torch.Tensor]) -> tuple[int, int]:
+    """(sum of version counters, sum of data pointers): every in-place write bumps a tensor's version,
+    a replaced ``.data`` moves its pointer. ~1 us a tensor, so cheap enough for every step."""
+    return sum(map(_VERSION, tensors)), sum(t.data_ptr() for t in tensors)
+
+
+_VERSION = operator.attrgetter("_version")  # torch's version counter (a name transformers also uses privately)
 
 
 _MODELS: weakref.WeakKeyDictionary[torch.nn.Module, CompiledModel] = weakref.WeakKeyDictionary()
@@ -168,7 +190,8 @@ def compiled_model(model: torch.nn.Module, windows: list[int | None]) -> Compile
                           paged_forward=COMPILED, logits_to_keep=logits_indices)  # fmt: skip
         return out.logits[0]
 
-    found = _MODELS[model] = CompiledModel(torch.compile(forward), modules)
+    tensors = [*model.parameters(), *model.buffers()]
+    found = _MODELS[model] = CompiledModel(torch.compile(forward), modules, tensors)
     return found
 
 
@@ -243,6 +266,11 @@ class CompiledExecutor:
             return self.eager.execute(step)
         if not self.compiled.ready.is_set():
             self.compiled.start(step.input_ids.device)
+            return self.eager.execute(step)
+        if self.compiled.stale():
+            self.compiled.failed = "the model's weights changed after its compile froze them"
+            logger.warning("hf_paged_attn: %s; steps run eagerly (PagedConfig(compile=False) skips the compile for "
+                           "models that train between generations)", self.compiled.failed)  # fmt: skip
             return self.eager.execute(step)
         self.eager.prepare(step)
         return self._run(step)

@@ -124,6 +124,26 @@ def test_a_failed_compile_falls_back_to_eager(llama_dir, monkeypatch, caplog) ->
     assert not compare_greedy(ref, prompts, expected, got)
 
 
+def test_weights_changed_after_the_compile_run_eagerly(llama_dir) -> None:
+    """An in-place weight update (as an optimizer step) after the compile: the frozen graph would
+    use the old values, so the engine notices and runs eagerly, with the new weights."""
+    ref, paged = load_pair(llama_dir)  # its own model: this one's compiled forward ends up retired
+    prompts = ragged_prompts(3, 3, 20, seed=11)
+    with ContinuousBatchingEngine(paged, ON) as engine:
+        assert engine.executor.wait(timeout=600)
+        before = run(engine, prompts, 8)
+        assert engine.executor.num_compiled_steps > 0 and engine.executor.failed is None
+    with torch.no_grad():
+        for model in (paged, ref):
+            model.model.layers[0].mlp.down_proj.weight.mul_(3.0)
+    expected = greedy(ref, prompts, 8)
+    with ContinuousBatchingEngine(paged, ON) as engine:  # a new engine: its prefix cache is empty
+        got = run(engine, prompts, 8)
+        assert "weights changed" in engine.executor.failed
+    assert not compare_greedy(ref, prompts, expected, got)
+    assert got != before  # the change is visible in the tokens, so the test can tell stale weights
+
+
 @pytest.mark.slow
 def test_compiled_demo_model_equals_sdpa(demo) -> None:
     tokenizer, paged, ref = demo
