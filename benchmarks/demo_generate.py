@@ -25,7 +25,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 import hf_paged_attn  # noqa: F401  registers "paged"
+from hf_paged_attn import PagedConfig
 from hf_paged_attn.demo import DEMO_MODEL, PROMPTS
+from hf_paged_attn.runtime.compiled import wait_compiled
 from hf_paged_attn_tools.bench.profile import StepProfile, format_profile
 from hf_paged_attn_tools.testing import left_padded
 
@@ -42,11 +44,12 @@ def make_prompts(tokenizer, num: int, seed: int = 0) -> list[list[int]]:  # noqa
     return out
 
 
-def padded_generate(model, prompts: list[list[int]], batch: int, config: GenerationConfig, pad: int) -> list:  # noqa: ANN001
+def padded_generate(model, prompts: list[list[int]], batch: int, config: GenerationConfig, pad: int,  # noqa: ANN001
+                    **kwargs) -> list:  # fmt: skip
     outs = []
     for i in range(0, len(prompts), batch):
         ids, mask = left_padded(prompts[i : i + batch], pad)
-        seq = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        seq = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, **kwargs)
         outs += seq[:, ids.shape[1] :].tolist()
     return outs
 
@@ -64,6 +67,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--compile", default="both", choices=["both", "on", "off"],
+                        help="the paged model with PagedConfig(compile=True), compile=False or both (two instances)")
     parser.add_argument("--baseline-backend", metavar="FILE",
                         help="also the paged model with an older torch backend (baseline_backend.py)")
     parser.add_argument("--profile", action="store_true",
@@ -77,13 +83,27 @@ def main(argv: list[str] | None = None) -> None:
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=pad
     )
-    paged = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, attn_implementation="paged").eval()
-    sdpa = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, attn_implementation="sdpa").eval()
-    systems: dict[str, Callable[[], list]] = {
-        "paged generate (one call)": lambda: padded_generate(paged, prompts, len(prompts), config, pad),
-        "sdpa generate @16": lambda: padded_generate(sdpa, prompts, 16, config, pad),
-        f"sdpa generate @{len(prompts)}": lambda: padded_generate(sdpa, prompts, len(prompts), config, pad),
-    }
+    dtype = getattr(torch, args.dtype)
+    paged = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, attn_implementation="paged", dtype=dtype).eval()
+    sdpa = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, attn_implementation="sdpa", dtype=dtype).eval()
+    systems: dict[str, Callable[[], list]] = {}
+    if args.compile in ("both", "on"):  # its own instance: the compiled forward is kept per model
+        compiled = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, attn_implementation="paged", dtype=dtype).eval()
+        on = PagedConfig(compile=True)
+        systems["paged generate, compiled"] = lambda: padded_generate(
+            compiled, prompts, len(prompts), config, pad, paged_config=on
+        )
+        start = time.perf_counter()
+        padded_generate(compiled, prompts[:4], 4, config, pad, paged_config=on)  # starts the compile
+        wait_compiled(compiled)
+        print(f"compiled the paged model's forward in {time.perf_counter() - start:.1f} s (warm-up included)")
+    if args.compile in ("both", "off"):
+        off = PagedConfig(compile=False)
+        systems["paged generate (one call)"] = lambda: padded_generate(
+            paged, prompts, len(prompts), config, pad, paged_config=off
+        )
+    systems["sdpa generate @16"] = lambda: padded_generate(sdpa, prompts, 16, config, pad)
+    systems[f"sdpa generate @{len(prompts)}"] = lambda: padded_generate(sdpa, prompts, len(prompts), config, pad)
     if args.baseline_backend:
         old = baseline_backend.load(args.baseline_backend)
 
@@ -93,8 +113,10 @@ def main(argv: list[str] | None = None) -> None:
 
         systems["paged, baseline backend"] = paged_baseline
     if args.profile:
-        for (name, run), model in zip(systems.items(), (paged, sdpa, sdpa, paged)):
-            padded_generate(model, prompts[:4], 4, config, pad)
+        models = {"compiled": compiled if args.compile != "off" else None, "paged": paged, "sdpa": sdpa}
+        for name, run in systems.items():
+            model = models["compiled" if "compiled" in name else "sdpa" if "sdpa" in name else "paged"]
+            run()  # warm-up
             profile = StepProfile(model, time.thread_time if args.threads == 1 else time.perf_counter)
             with profile.record():
                 run()
@@ -102,9 +124,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     lens = [len(p) for p in prompts]
     print(f"load {os.getloadavg()[0]:.2f}; {len(prompts)} prompts of {min(lens)}-{max(lens)} tokens x "
-          f"{args.max_new_tokens} new tokens, {args.threads} threads")  # fmt: skip
-    for model in (paged, sdpa):  # warm-up: allocations, first-call paths
-        padded_generate(model, prompts[:4], 4, config, pad)
+          f"{args.max_new_tokens} new tokens, {args.threads} threads, {args.dtype}")  # fmt: skip
+    for run in systems.values():  # warm-up: allocations, first-call paths
+        run()
     times: dict[str, list[float]] = {name: [] for name in systems}
     cpu: dict[str, list[float]] = {name: [] for name in systems}
     outputs: dict[str, list] = {}

@@ -3,7 +3,13 @@ from_pretrained(..., attn_implementation=...), so the real loading code runs (no
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# Tiny models compile for longer than they run: PagedConfig(compile=None) means eager in the suite;
+# tests of the compiled forward ask for compile=True (tests/runtime/test_compiled.py).
+os.environ.setdefault("HF_PAGED_ATTN_COMPILE", "0")
 
 import hf_paged_attn  # noqa: F401  (registers "paged")
 from hf_paged_attn_tools.testing import load_pair, save_random_model, tiny_llama_config

@@ -6,16 +6,22 @@ through the block table and appends the new token in place) or varlen (any prefi
 written the step's K/V into the pages, the paged prefill kernel reads every key through the block
 table). Outside a step, e.g. a plain ``model(input_ids, labels=...)`` forward, it computes exactly
 what ``sdpa`` would.
+
+Inside a compiled step (``runtime/compiled.py``) the ``paged_forward`` kwarg is ``COMPILED`` and the
+whole attention call, cache write included, is one opaque custom op, ``hf_paged_attn::step_attention``
+(``step_attention``), as vLLM leaves its attention to the compiler: the graph around it stays whole,
+and the op runs the eager path below on the step's real rows (``CompiledStep``), outside the graph.
 """
 
 from __future__ import annotations
 
+import contextvars
 from dataclasses import dataclass
 
 import torch
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
-from .cache import ACTIVE_FORWARD, pad_head_dim
+from .cache import ACTIVE_FORWARD, PagedAttentionCache, pad_head_dim
 from .forward import ForwardContext
 from .model_checks import check_attention_call
 
@@ -44,8 +50,14 @@ def paged_attention_forward(
     by ``PagedAttentionCache.update`` (``check_attention_call`` refuses anything else). The forward
     comes from the ``paged_forward`` kwarg, or from ``ACTIVE_FORWARD`` for models whose decoder layers
     drop kwargs. Returns ([1, N, H, D_v], None)."""
-    context: ForwardContext | None = kwargs.get("paged_forward") or ACTIVE_FORWARD.get()
+    context: ForwardContext | None = kwargs.get("paged_forward")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if context is COMPILED:  # traced by torch.compile: the attention is one opaque op
+        window = sliding_window or (attention_mask.size if isinstance(attention_mask, PagedWindow) else 0)
+        layer_idx = module.layer_idx
+        out = torch.ops.hf_paged_attn.step_attention(query, key, value, layer_idx, scale, window, softcap or 0.0, s_aux)
+        return out, None
+    context = context or ACTIVE_FORWARD.get()
     if context is None:
         return plain_attention(module, query, key, value, attention_mask, dropout, scale, softcap, s_aux, **kwargs)
     if isinstance(attention_mask, PagedWindow):
@@ -61,12 +73,16 @@ def paged_attention_forward(
     )
     q = query[0].transpose(0, 1)  # [N, H, D]
     if inputs.is_decode:
+        new_k = pad_head_dim(key[0].transpose(0, 1), layer.width).unsqueeze(1)  # [B, 1, H_kv, D], appended in place
+        new_v = pad_head_dim(value[0].transpose(0, 1), layer.width).unsqueeze(1)
+        if new_k.stride() != new_v.stride():  # one layout for both, which the native CPU kernel reads them with
+            new_k, new_v = torch.stack((new_k, new_v)).unbind(0)
         out = context.backend.paged_decode_attention(
             q.unsqueeze(1),  # [B, 1, H, D]: one token per request
             layer.keys,
             layer.values,
-            pad_head_dim(key[0].transpose(0, 1), layer.width).unsqueeze(1),  # [B, 1, H_kv, D], appended in place
-            pad_head_dim(value[0].transpose(0, 1), layer.width).unsqueeze(1),
+            new_k,
+            new_v,
             inputs.cache_seqlens,
             inputs.block_table,
             inputs.max_length_k,
@@ -124,3 +140,72 @@ def plain_attention(
         weights = weights[..., :-1]
     weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training).to(value.dtype)
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), None  # [B, Q, H, D]
+
+
+# ----------------------------------------------------------------------------- compiled steps
+class _Compiled:
+    """The ``paged_forward`` kwarg of a compiled step: one constant object, so the graph that
+    torch.compile traces never depends on the step (a new ``ForwardContext`` every step would make
+    it guard and recompile)."""
+
+    def __repr__(self) -> str:
+        return "COMPILED"
+
+
+COMPILED = _Compiled()
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledStep:
+    """What ``step_attention`` needs outside the graph: the step's forward, the cache it writes,
+    each layer's attention module (``layer_idx`` -> module) and how many of the graph's packed rows
+    are real (the rest are padding rows of the executor's shape bucket)."""
+
+    context: ForwardContext | None  # None (and cache None) in a compile's example step, of padding rows only
+    cache: PagedAttentionCache | None
+    modules: dict[int, torch.nn.Module]
+    num_tokens: int
+
+
+# The compiled step running in this thread, set by the executor around the compiled call (the op's
+# only way to reach the step: custom ops take tensors and plain numbers).
+COMPILED_STEP: contextvars.ContextVar[CompiledStep | None] = contextvars.ContextVar("compiled_step", default=None)
+
+
+@torch.library.custom_op("hf_paged_attn::step_attention", mutates_args=())
+def step_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer_idx: int,
+    scaling: float,
+    sliding_window: int,
+    softcap: float,
+    s_aux: torch.Tensor | None,
+) -> torch.Tensor:
+    """One layer's paged attention of a compiled step, opaque to the compiler. query: [1, H, M, D];
+    key/value: [1, H_kv, M, D] (``M`` >= the step's real rows; padding rows after them). Runs the
+    eager path (cache write, kernel) on the real rows; padding rows come back zero and never touch
+    the cache. Returns [1, M, H, D_v], contiguous. ``sliding_window``/``softcap``: 0 for none."""
+    step = COMPILED_STEP.get()
+    assert step is not None, "hf_paged_attn::step_attention runs only inside a compiled step"
+    n, rows = step.num_tokens, query.shape[2]
+    if n == 0:  # a compile's example step: padding rows only
+        return query.new_zeros(1, rows, query.shape[1], value.shape[-1])
+    if n < rows:
+        query, key, value = query[:, :, :n], key[:, :, :n], value[:, :, :n]
+    key, value = step.cache.update(key, value, layer_idx)
+    out, _ = paged_attention_forward(
+        step.modules[layer_idx], query, key, value, None, scaling=scaling, sliding_window=sliding_window or None,
+        softcap=softcap or None, s_aux=s_aux, paged_forward=step.context,
+    )  # fmt: skip
+    if n == rows:
+        return out.contiguous()
+    full = out.new_zeros(1, rows, *out.shape[2:])  # [1, M, H, D_v]
+    full[:, :n] = out
+    return full
+
+
+@step_attention.register_fake
+def _(query, key, value, layer_idx, scaling, sliding_window, softcap, s_aux):  # noqa: ANN001, ANN202
+    return query.new_empty(1, query.shape[2], query.shape[1], value.shape[-1])

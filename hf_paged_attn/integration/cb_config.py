@@ -73,8 +73,12 @@ def paged_config_from(
     cb: ContinuousBatchingConfig | None, base: PagedConfig | None = None
 ) -> tuple[PagedConfig, CBOptions]:
     """(the ``PagedConfig`` for ``cb``, built on ``base``; the per-request options). NotImplementedError
-    names a field we cannot honour; ValueError a value ``PagedConfig`` refuses."""
+    names a field we cannot honour; ValueError a value ``PagedConfig`` refuses. The compiled forward
+    is off unless ``base`` asks for it: its callers (TRL, RL loops) update the weights between calls,
+    after which a compiled graph runs eagerly anyway, and its compile would only take CPU time."""
     base = base or PagedConfig()
+    if base.compile is None:  # RL loops change the weights between calls, which retires a compiled graph
+        base = base.replace(compile=False)
     if cb is None:
         return base, CBOptions()
     defaults = ContinuousBatchingConfig()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import os
+import shutil
 from dataclasses import dataclass, fields
 
 import torch
@@ -50,6 +53,15 @@ class PagedConfig:
             graph-safe kernel (triton, flash), off elsewhere; ``True`` where graphs can't run raises
             ValueError; ``False``: every step runs eagerly. Tensor-parallel engines and models spread
             over several devices always run eagerly.
+        compile: run the model's forward through ``torch.compile`` (inductor, ``compiled.py``): one
+            graph for every step size, the paged attention an opaque op in it, weights prepacked for
+            oneDNN. The first step of a model compiles (tens of seconds on a small CPU, logged;
+            inductor's disk cache shortens later processes); every later engine on the same model
+            reuses it. ``None`` (the default): on for a model on the CPU when a C++ compiler is
+            found (where it was measured to win: benchmarks/README.md) and ``$HF_PAGED_ATTN_COMPILE``
+            is not ``0``, off elsewhere; ``True`` on
+            another device raises ValueError; ``False``: eager forwards. A failed compile is logged
+            and the engine runs eagerly.
     """
 
     block_size: int | None = None
@@ -64,6 +76,7 @@ class PagedConfig:
     scheduling_policy: str = "fcfs"
     hybrid_kv: bool = True
     cuda_graphs: bool | None = None
+    compile: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_batch_tokens"):
@@ -75,6 +88,8 @@ class PagedConfig:
             raise ValueError(f"PagedConfig.hybrid_kv must be a bool, got {self.hybrid_kv!r}")
         if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"PagedConfig.cuda_graphs must be None or a bool, got {self.cuda_graphs!r}")
+        if self.compile is not None and not isinstance(self.compile, bool):
+            raise ValueError(f"PagedConfig.compile must be None or a bool, got {self.compile!r}")
         if self.scheduling_policy not in POLICIES:
             raise ValueError(
                 f"PagedConfig.scheduling_policy must be one of {tuple(POLICIES)}, got {self.scheduling_policy!r}"
@@ -111,7 +126,8 @@ class PagedConfig:
     def resolved(self, device: torch.device, dtype: torch.dtype | None = None, sinks: bool = False) -> PagedConfig:
         """This config made concrete for a model on ``device`` in ``dtype`` (``sinks``: with attention
         sinks): ``kernel="auto"`` becomes the backend that will run, then ``block_size=None`` that
-        backend's size, then ``cuda_graphs=None`` whether graphs can run."""
+        backend's size, then ``cuda_graphs=None`` whether graphs can run and ``compile=None`` whether
+        the forward compiles."""
         kernel = resolve_kernel(self.kernel, device, self.block_size, dtype, sinks)
         backend = BACKENDS[kernel]
         block_size = self.block_size or backend.default_block_size(device)
@@ -124,7 +140,30 @@ class PagedConfig:
                 f"is on {device.type} with kernel={kernel!r}. Leave cuda_graphs=None to use graphs where they can run"
             )
         cuda_graphs = graphs_can_run if self.cuda_graphs is None else self.cuda_graphs
-        return self.replace(kernel=kernel, block_size=block_size, cuda_graphs=cuda_graphs)
+        if self.compile and device.type != "cpu":
+            raise ValueError(
+                f"PagedConfig.compile=True is for models on the CPU (where it is measured); the model is on "
+                f"{device.type}. Leave compile=None to compile where it wins"
+            )
+        compile_ = self.compile if self.compile is not None else compile_by_default(device)
+        return self.replace(kernel=kernel, block_size=block_size, cuda_graphs=cuda_graphs, compile=compile_)
+
+
+COMPILE_ENV = "HF_PAGED_ATTN_COMPILE"  # "0": ``compile=None`` means off (the test suite sets it)
+
+
+def compile_by_default(device: torch.device) -> bool:
+    """What ``compile=None`` means on ``device``: on the CPU with a C++ compiler, unless ``$HF_PAGED_ATTN_COMPILE``
+    is ``0``."""
+    return device.type == "cpu" and os.environ.get(COMPILE_ENV, "1") != "0" and cpp_compiler() is not None
+
+
+@functools.cache
+def cpp_compiler() -> str | None:
+    """The C++ compiler inductor's CPU code needs (``$CXX``, else ``c++`` / ``g++`` / ``clang++`` on
+    the PATH), or None."""
+    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["c++", "g++", "clang++"]
+    return next((shutil.which(name) for name in names if shutil.which(name)), None)
 
 
 def _require_positive_int(name: str, value: object) -> None:

@@ -3,6 +3,7 @@ and gets the sampled rows' logits back; it never knows how the forward ran.
 
 - ``LocalExecutor``: the model's forward in this process, eagerly.
 - ``cuda_graphs.CudaGraphExecutor``: decode steps replayed from CUDA graphs, the rest eagerly.
+- ``compiled.CompiledExecutor``: the forward through ``torch.compile`` (on the CPU).
 - ``parallel.TensorParallelExecutor``: rank 0 broadcasts the step, every rank runs its shard.
 
 A ``Launcher`` sets an engine up for one kind of execution: it sizes the cache (the ranks of a
@@ -101,7 +102,8 @@ class Launcher(Protocol):
 
 
 class LocalLauncher:
-    """One process: CUDA graphs for decode steps where they can run, else plain eager forwards."""
+    """One process: CUDA graphs for decode steps where they can run, a compiled forward on the CPU
+    (``PagedConfig.compile``), else plain eager forwards."""
 
     def cache_size(
         self, model: torch.nn.Module, config: PagedConfig, layers: LayerKinds, num_blocks: int | None
@@ -120,12 +122,23 @@ class LocalLauncher:
         size: CacheSize,
     ) -> Executor:
         eager = LocalExecutor(model, cache, backend)
+        if self._compiled(model, config):
+            from .compiled import CompiledExecutor
+
+            return CompiledExecutor(eager, layers)  # eager until its background compile is done
         if not self._graphs(model, config):
             return eager
         from .cuda_graphs import CudaGraphExecutor
 
         max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         return CudaGraphExecutor(eager, layers, config, scratch_block=size.num_blocks, max_positions=max_positions)
+
+    @staticmethod
+    def _compiled(model: torch.nn.Module, config: PagedConfig) -> bool:
+        """A compiled forward: on in the resolved config, every layer on the CPU, nothing offloaded."""
+        if not config.compile or {d.type for d in layer_devices(model)} != {"cpu"}:
+            return False
+        return not {"disk"} & {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}
 
     @staticmethod
     def _graphs(model: torch.nn.Module, config: PagedConfig) -> bool:

@@ -23,6 +23,7 @@ from typing import Any
 
 from hf_paged_attn_tools.bench.report import build_report, default_out_dir, format_table, plot
 from hf_paged_attn_tools.bench.runner import run_workload
+from hf_paged_attn_tools.bench.systems import COMPILE as SYSTEMS_COMPILE
 from hf_paged_attn_tools.bench.systems import SYSTEMS
 from hf_paged_attn_tools.bench.workloads import WORKLOADS, Workload
 
@@ -57,6 +58,9 @@ def parse_args(argv: list[str] | None = None, prog: str = PROG) -> argparse.Name
     )
     parser.add_argument("--profile-ops", type=int, default=0, metavar="N",
                         help="with --profile: also torch.profiler's N most expensive ops (a second run)")
+    parser.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+                        help="PagedConfig.compile of the paged systems (auto: its default, on for the CPU); "
+                        "--profile always runs eagerly (its hooks would split the compiled graph)")
     parser.add_argument("--serve", action="store_true", help="benchmark the HTTP servers instead (--serve --help)")
     return parser.parse_args(argv)
 
@@ -78,6 +82,7 @@ def run(argv: list[str] | None = None, prog: str = PROG) -> dict[str, Any]:
             file=sys.stderr,
         )
     work = build_workload(args)
+    SYSTEMS_COMPILE["compile"] = {"auto": None, "on": True, "off": False}[args.compile]
     if args.profile:
         from hf_paged_attn_tools.bench.profile import print_profile, profile_workload
 

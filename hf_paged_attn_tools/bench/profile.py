@@ -203,6 +203,7 @@ def profile_workload(work: Workload, concurrency: int, threads: int = 2, ops: in
             block_size=BLOCK_SIZE, num_blocks=work.num_blocks, max_num_seqs=concurrency,
             max_batch_tokens=MAX_BATCH_TOKENS, kernel="torch", progress_bar=False, seed=0,
             enable_prefix_caching=False,  # else the second run finds every prompt cached by the first
+            compile=False,  # the timing hooks would split a compiled graph (and time nothing inside it)
         )  # fmt: skip
         engine = ContinuousBatchingEngine(model, config, greedy_config())
         engine.generate([WARMUP_PROMPT], max_new_tokens=2)  # allocates the pages

@@ -66,6 +66,11 @@ def _latencies(start: float, stamps: dict[int, list[float]], counts: list[int]) 
 
 
 # ------------------------------------------------------------------------------------------ engine
+# ``PagedConfig.compile`` of the paged systems: None (its default: on for the CPU), or the bench's
+# ``--compile on|off``, set by ``command.run`` before any system runs.
+COMPILE: dict[str, bool | None] = {"compile": None}
+
+
 def run_engine(
     model: torch.nn.Module,
     work: Workload,
@@ -75,14 +80,17 @@ def run_engine(
     block_size: int = BLOCK_SIZE,
 ) -> RunResult:
     """All requests queued at t0, then ``stream()`` until done; per-token times from its outputs.
-    A ``block_size`` above the workload's leaves room to spare (``num_blocks`` stays)."""
+    A ``block_size`` above the workload's leaves room to spare (``num_blocks`` stays). The warm-up
+    request also compiles the forward (``PagedConfig.compile``, ``COMPILE`` here)."""
     config = PagedConfig(
         block_size=block_size, num_blocks=work.num_blocks, max_num_seqs=concurrency,
         max_batch_tokens=MAX_BATCH_TOKENS, kernel=kernel, progress_bar=False, seed=0,
-        enable_prefix_caching=prefix_caching,
+        enable_prefix_caching=prefix_caching, compile=COMPILE["compile"],
     )
     gen_config = greedy_config()
     engine = ContinuousBatchingEngine(model, config, gen_config)
+    if hasattr(engine.executor, "wait"):  # a compiled forward: its compile is not timed
+        engine.executor.wait()
     engine.generate([WARMUP_PROMPT], max_new_tokens=2)  # allocates the pages, warms the kernels
     before = engine.stats
 
@@ -129,7 +137,7 @@ def run_routed_generate(model: torch.nn.Module, work: Workload, concurrency: int
     defaults (prefix caching included) except for the knobs every paged system shares."""
     paged = PagedConfig(
         block_size=BLOCK_SIZE, max_num_seqs=concurrency, max_batch_tokens=MAX_BATCH_TOKENS, kernel="torch",
-        progress_bar=False, seed=0,
+        progress_bar=False, seed=0, compile=COMPILE["compile"],
     )
     run = _static_batches("generate", model, work, concurrency, paged_config=paged)
     run.settings = {"enable_prefix_caching": paged.enable_prefix_caching}

@@ -1,0 +1,296 @@
+"""A compiled forward for the CPU: the model's forward through ``torch.compile`` (inductor), as vLLM
+compiles its models, with the paged attention left to the compiler as one opaque op.
+
+``CompiledExecutor`` wraps a ``LocalExecutor``. One graph serves every step: its token count is
+dynamic (``run_graph``), as vLLM's is (bucketing, one static graph per padded size, compiled 5
+graphs in 94 s where the dynamic one took 40 s, and static shapes make inductor pick MKL's slow
+fp32 matmuls here: benchmarks/README.md). The compile runs in a background thread on a step of
+padding rows (``CompiledModel.start``, logged), so no request waits for it: steps run eagerly until
+the graph is ready. It is kept per model (``compiled_model``): a second engine (a second
+``model.generate``) on the same model compiles nothing.
+
+What the graph sees:
+
+- ``input_ids`` / ``position_ids`` [1, N] and ``logits_indices`` [S], both sizes dynamic;
+- a ``StepCache`` in place of the paged cache, whose ``update`` hands K/V through, and the constant
+  ``COMPILED`` as the ``paged_forward`` kwarg: nothing in the graph depends on the step, so the
+  graph never guards on (and recompiles for) a step's Python numbers or its ``ForwardContext``;
+- each layer's attention as ``hf_paged_attn::step_attention`` (``attention/function.py``), which
+  reaches the step through ``COMPILED_STEP`` and runs the eager kernels on the real rows.
+
+Padding rows (a one-token step pads to two rows, since dynamo specialises a size of 1; the
+warm-up's rows) are harmless: the attention op never lets them touch the cache and returns zeros
+for them; every other op of a decoder is row-wise (projections, norms, rotary, MLP), so they
+cannot change a real row; their logits are never taken.
+
+What runs eagerly instead: every step until the graph is ready, the first step of an engine (it
+confirms each layer's window and runs the model checks, ``check_attention_call``, that the graph
+skips), beam search, and everything once the compile has failed (logged, as a failed CUDA graph
+capture is). The frozen weights are copies the graph holds: when any of the model's weights
+changes after the compile (an optimizer step between generations, a loaded state dict; checked at
+every step through version counters, ``CompiledModel.stale``), the model runs eagerly from then on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import operator
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import Cache
+
+from ..attention.cache import PagedLayer
+from ..attention.forward import ForwardContext
+from ..attention.function import COMPILED, COMPILED_STEP, CompiledStep
+from ..attention.step import StepMetadata
+from ..core.layers import LayerKinds
+
+if TYPE_CHECKING:
+    from .executor import LocalExecutor
+
+logger = logging.getLogger(__name__)
+
+# Inductor options of the compiled forward, patched around every call (``torch.compile(options=)``
+# does not apply ``freezing``). ``freezing`` folds the weights into the graph as constants, so inductor
+# prepacks them for oneDNN: with a dynamic token count in fp32 too, where MKL's sgemm (what eager
+# fp32 runs, and inductor's choice for static shapes) is 2-3x slower on this AMD CPU
+# (benchmarks/README.md, "A compiled forward"). The packed weights can't be pickled, so inductor's disk
+# cache is bypassed: every process compiles once.
+INDUCTOR_OPTIONS: dict[str, object] = {"freezing": True}
+WARMUP_ROWS = 16  # the compile's example step (oneDNN packs the weights for about this many rows)
+RECOMPILE_LIMIT = 64  # dynamo's graphs per code object: every model compiles the same function
+SKIP_GUARDS = os.environ.get("HF_PAGED_ATTN_SKIP_GUARDS", "1") != "0"
+
+
+class StepCache(Cache):
+    """The cache the compiled graph sees: ``update`` returns K/V as they are (the attention op
+    writes them into the real pages), lengths are per request (0, as ``PagedAttentionCache``)."""
+
+    def __init__(self, windows: list[int | None]) -> None:
+        super().__init__(layers=[PagedLayer(0, 1, is_sliding=w is not None) for w in windows])
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return 0, 0
+
+
+@dataclass(slots=True)
+class CompiledModel:
+    """One model's compiled forward, shared by every engine on the model (``compiled_model``).
+
+    The compile runs in a background thread (``start``) on an example step of padding rows only,
+    which never touches a cache; ``ready`` is set when it is done (or has failed: ``failed`` says why).
+    """
+
+    forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    modules: dict[int, torch.nn.Module]  # layer_idx -> attention module
+    tensors: list[torch.Tensor]  # the model's parameters and buffers, whose values the graph froze
+    weights: tuple[int, int] = (0, 0)  # their fingerprint when the compile started (``fingerprint``)
+    ready: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+    failed: str | None = None  # why the compile failed: then this model runs eagerly
+    compile_seconds: float = 0.0
+    num_compiles: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def start(self, device: torch.device) -> None:
+        """Compile in the background, once (later calls do nothing)."""
+        with self.lock:
+            if self.thread is not None:
+                return
+            # inductor's kernels take the compiling thread's thread count: the caller's, not a new thread's default
+            args = (device, torch.get_num_threads())
+            self.weights = fingerprint(self.tensors)
+            self.thread = threading.Thread(target=self._compile, args=args, name="hf_paged_attn-compile", daemon=True)
+            self.thread.start()
+
+    def _compile(self, device: torch.device, num_threads: int) -> None:
+        torch.set_num_threads(num_threads)
+        logger.warning(
+            "hf_paged_attn: compiling the model's forward in the background (once per model and process; steps run "
+            "eagerly meanwhile; PagedConfig(compile=False) turns it off)"
+        )
+        start = time.perf_counter()
+        try:
+            with torch.inference_mode():  # as the engine's steps are: dynamo guards on inference tensors
+                ids = torch.zeros(1, WARMUP_ROWS, dtype=torch.long, device=device)
+                positions, indices = ids.clone(), torch.arange(2, device=device)
+            run_graph(self, CompiledStep(None, None, self.modules, 0), ids, positions, indices)
+        except Exception as exc:
+            self.failed = f"{type(exc).__name__}: {exc}"
+            logger.warning("hf_paged_attn: compiling the model's forward failed (%s); steps run eagerly", self.failed)
+        else:
+            self.compile_seconds = time.perf_counter() - start
+            self.num_compiles += 1
+            logger.warning("hf_paged_attn: compiled the model's forward in %.1f s", self.compile_seconds)
+        finally:
+            self.ready.set()
+
+
+    def stale(self) -> bool:
+        """Whether a weight changed since the compile froze them (an optimizer step, a loaded state
+        dict, a replaced ``.data``): the graph would compute with the old values."""
+        return fingerprint(self.tensors) != self.weights
+
+
+def fingerprint(tensors: list[torch.Tensor]) -> tuple[int, int]:
+    """(sum of version counters, sum of data pointers): every in-place write bumps a tensor's version,
+    a replaced ``.data`` moves its pointer. ~1 us a tensor, so cheap enough for every step."""
+    return sum(map(_VERSION, tensors)), sum(t.data_ptr() for t in tensors)
+
+
+_VERSION = operator.attrgetter("_version")  # torch's version counter (a name transformers also uses privately)
+
+
+_MODELS: weakref.WeakKeyDictionary[torch.nn.Module, CompiledModel] = weakref.WeakKeyDictionary()
+
+
+def attention_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module] | None:
+    """``layer_idx`` -> attention module, or None when the model's layer indices are not one per
+    layer (models that reuse or offset layers, which the op could not address by index)."""
+    modules = {}
+    for module in model.modules():
+        idx = getattr(module, "layer_idx", None)
+        if isinstance(idx, int) and hasattr(module, "config") and any(
+            hasattr(module, name) for name in ("q_proj", "qkv_proj", "query_key_value", "c_attn", "Wqkv")
+        ):
+            if idx in modules:
+                return None
+            modules[idx] = module
+    return modules or None
+
+
+def compiled_model(model: torch.nn.Module, windows: list[int | None]) -> CompiledModel | None:
+    """``model``'s compiled forward, made once per model (None: its layers can't be addressed)."""
+    found = _MODELS.get(model)
+    if found is not None:
+        return found
+    modules = attention_modules(model)
+    if modules is None or sorted(modules) != list(range(len(windows))):
+        return None
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    model_ref = weakref.ref(model)  # the compiled function must not keep the model alive
+    cache = StepCache(windows)
+
+    def forward(input_ids: torch.Tensor, position_ids: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        out = model_ref()(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True,
+                          paged_forward=COMPILED, logits_to_keep=logits_indices)  # fmt: skip
+        return out.logits[0]
+
+    tensors = [*model.parameters(), *model.buffers()]
+    found = _MODELS[model] = CompiledModel(torch.compile(forward), modules, tensors)
+    return found
+
+
+@torch.inference_mode()
+def run_graph(
+    compiled: CompiledModel,
+    step: CompiledStep,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    logits_indices: torch.Tensor,
+) -> torch.Tensor:
+    """The compiled forward on [1, M] ids and positions (M >= 2, ``step.num_tokens`` of them real) and
+    ``logits_indices`` [S >= 2]: logits [S, vocab] as the model returns them. The token and sampled
+    counts are dynamic: dynamo specialises sizes 0 and 1, which callers pad away."""
+    torch._dynamo.maybe_mark_dynamic(input_ids, 1)
+    torch._dynamo.maybe_mark_dynamic(position_ids, 1)
+    torch._dynamo.maybe_mark_dynamic(logits_indices, 0)
+    # Once the graph exists, dynamo checks only the guards that tell graphs apart, not every
+    # parameter and attribute of the model (0.2-0.4 ms a step here).
+    skip = SKIP_GUARDS and compiled.ready.is_set()
+    stance = torch.compiler.set_stance("default", skip_guard_eval_unsafe=True) if skip else contextlib.nullcontext()
+    token = COMPILED_STEP.set(step)
+    try:
+        with torch._inductor.config.patch(INDUCTOR_OPTIONS):
+            try:
+                with stance:
+                    return compiled.forward(input_ids, position_ids, logits_indices)
+            except RuntimeError as exc:  # a step the graph's guards reject: compile for it, checking every guard
+                if not skip or "skip_guard_eval_unsafe" not in str(exc):
+                    raise
+                logger.info("hf_paged_attn: a step needs another graph (%s)", exc)
+                return compiled.forward(input_ids, position_ids, logits_indices)
+    finally:
+        COMPILED_STEP.reset(token)
+
+
+def wait_compiled(model: torch.nn.Module, timeout: float | None = None) -> bool:
+    """Wait until ``model``'s background compile is done; True when its graph is ready (False: no
+    compile was started for it, it failed, or ``timeout`` seconds passed)."""
+    found = _MODELS.get(model)
+    return found is not None and found.thread is not None and found.ready.wait(timeout) and found.failed is None
+
+
+class CompiledExecutor:
+    """Steps through ``model``'s compiled forward once it is ready; until then (and for the first
+    step, beam search, and after a failed compile) through ``eager``. ``wait()`` blocks until the
+    compile is done. ``num_compiled_steps`` counts the steps the graph ran; ``compiled.num_compiles``
+    the model's compiles (one per model and process)."""
+
+    def __init__(self, eager: LocalExecutor, layers: LayerKinds) -> None:
+        self.eager = eager
+        self.layers = layers
+        self.compiled = compiled_model(eager.model, layers.windows)
+        self.num_compiled_steps = 0
+        self.num_padded_steps = 0
+
+    @property
+    def failed(self) -> str | None:
+        return "the model's layers can't be addressed by layer_idx" if self.compiled is None else self.compiled.failed
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Start the compile if it has not started, and wait for it; True when the graph is ready."""
+        if self.compiled is None:
+            return False
+        self.compiled.start(next(self.eager.model.parameters()).device)
+        self.compiled.ready.wait(timeout)
+        return self.compiled.ready.is_set() and self.compiled.failed is None
+
+    def execute(self, step: StepMetadata) -> torch.Tensor:
+        """Logits of the step's sampled rows, [num_sampled, vocab] float32."""
+        if self.failed is not None or not self.layers.observed or step.has_beams:
+            return self.eager.execute(step)
+        if not self.compiled.ready.is_set():
+            self.compiled.start(step.input_ids.device)
+            return self.eager.execute(step)
+        if self.compiled.stale():
+            self.compiled.failed = "the model's weights changed after its compile froze them"
+            logger.warning("hf_paged_attn: %s; steps run eagerly (PagedConfig(compile=False) skips the compile for "
+                           "models that train between generations)", self.compiled.failed)  # fmt: skip
+            return self.eager.execute(step)
+        self.eager.prepare(step)
+        return self._run(step)
+
+    def _run(self, step: StepMetadata) -> torch.Tensor:
+        n = step.num_tokens
+        input_ids, position_ids, indices = step.input_ids, step.position_ids, step.logits_indices
+        if n < 2:  # a padding row: token 0 at position 0, which the attention op never lets near the cache
+            input_ids = torch.nn.functional.pad(input_ids, (0, 2 - n))
+            position_ids = torch.nn.functional.pad(position_ids, (0, 2 - n))
+            self.num_padded_steps += 1
+        num_sampled = indices.numel()
+        if num_sampled < 2:
+            indices = torch.nn.functional.pad(indices, (0, 2 - num_sampled))
+        context = ForwardContext(step, self.eager.backend)
+        with self.eager.cache.forward(context):
+            logits = run_graph(self.compiled, CompiledStep(context, self.eager.cache, self.compiled.modules, n),
+                               input_ids, position_ids, indices)  # fmt: skip
+        self.num_compiled_steps += 1
+        return logits[:num_sampled].float()
+
+    def close(self) -> None:
+        pass

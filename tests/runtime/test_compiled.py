@@ -1,0 +1,156 @@
+"""The compiled forward (``hf_paged_attn/runtime/compiled.py``): greedy parity with sdpa ``generate``,
+one compile per model across engines, eager steps while it compiles, eager fallback on a failed
+compile, harmless padding rows and the ``PagedConfig.compile`` switch.
+
+Compiling is slow on a small CPU (~15-40 s for the tiny Llama), so one module-scoped model compiles
+once and the tests that need a compiled graph share it; the demo model's parity is ``slow``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import hf_paged_attn  # noqa: F401  (registers "paged")
+from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
+from hf_paged_attn.runtime import compiled as compiled_module
+from hf_paged_attn.runtime.compiled import CompiledExecutor
+from hf_paged_attn.runtime.config import COMPILE_ENV
+from hf_paged_attn.runtime.executor import LocalExecutor, LocalLauncher
+from hf_paged_attn_tools.testing import compare_greedy, load_pair, ragged_prompts, reference_greedy
+
+CPU = torch.device("cpu")
+ON = PagedConfig(num_blocks=64, compile=True)
+
+
+@pytest.fixture(scope="module")
+def pair(llama_dir):
+    """(sdpa model, paged model) of the tiny Llama; the paged one compiles once for the module."""
+    return load_pair(llama_dir)
+
+
+def greedy(ref: torch.nn.Module, prompts: list[list[int]], new: int) -> list[list[int]]:
+    return [reference_greedy(ref, p, new) for p in prompts]
+
+
+def run(engine: ContinuousBatchingEngine, prompts: list[list[int]], new: int) -> list[list[int]]:
+    return [o.output_ids for o in engine.generate(prompts, max_new_tokens=new)]
+
+
+def test_config_switch_validates(monkeypatch) -> None:
+    with pytest.raises(ValueError, match=r"PagedConfig.compile must be None or a bool"):
+        PagedConfig(compile="yes")
+    with pytest.raises(ValueError, match=r"compile=True is for models on the CPU"):
+        PagedConfig(kernel="torch", compile=True).resolved(torch.device("cuda"))
+    assert PagedConfig(kernel="torch").resolved(torch.device("cuda")).compile is False
+    assert PagedConfig(compile=False).resolved(CPU).compile is False
+    assert PagedConfig(compile=True).resolved(CPU).compile is True
+    monkeypatch.setenv(COMPILE_ENV, "0")
+    assert PagedConfig().resolved(CPU).compile is False
+    monkeypatch.setenv(COMPILE_ENV, "1")
+    monkeypatch.setattr("hf_paged_attn.runtime.config.cpp_compiler", lambda: "/usr/bin/c++")
+    assert PagedConfig().resolved(CPU).compile is True
+    monkeypatch.setattr("hf_paged_attn.runtime.config.cpp_compiler", lambda: None)
+    assert PagedConfig().resolved(CPU).compile is False  # no C++ compiler: inductor can't build
+
+
+def test_launcher_chooses_the_compiled_executor(pair) -> None:
+    _, paged = pair
+    assert LocalLauncher._compiled(paged, ON.for_model(paged))
+    assert not LocalLauncher._compiled(paged, ON.replace(compile=False).for_model(paged))
+    with ContinuousBatchingEngine(paged, PagedConfig(num_blocks=64, compile=False)) as engine:
+        assert type(engine.executor) is LocalExecutor
+
+
+def test_compiled_greedy_equals_sdpa_and_a_second_engine_does_not_recompile(pair) -> None:
+    """Ragged prompts (prefill, mixed and decode steps of many sizes) through the one dynamic graph,
+    eagerly until it is ready; a second engine on the model reuses it."""
+    ref, paged = pair
+    prompts = ragged_prompts(5, 3, 40, seed=3)
+    expected = greedy(ref, prompts, 12)
+    with ContinuousBatchingEngine(paged, ON) as engine:
+        executor = engine.executor
+        assert isinstance(executor, CompiledExecutor)
+        early = run(engine, prompts[:2], 3)  # the compile starts in the background: these run eagerly meanwhile
+        assert executor.wait(timeout=600) and executor.failed is None
+        got = run(engine, prompts, 12)
+        assert executor.compiled.num_compiles == 1 and executor.num_compiled_steps > 5
+    assert not compare_greedy(ref, prompts, expected, got)
+    assert early == [e[:3] for e in expected[:2]]
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    with ContinuousBatchingEngine(paged, ON) as second:
+        assert second.executor.compiled is executor.compiled and second.executor.wait(timeout=0)
+        more = run(second, prompts, 12)
+        assert second.executor.num_compiled_steps > 10
+    assert executor.compiled.num_compiles == 1
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # no new graph anywhere
+    assert not compare_greedy(ref, prompts, expected, more)
+
+
+def test_padding_rows_never_change_real_rows(pair) -> None:
+    """One request: every decode step is one token, padded to the graph's two rows. The padding row
+    runs the whole model, yet the real row's tokens are sdpa's."""
+    ref, paged = pair
+    prompts = ragged_prompts(2, 5, 30, seed=5)
+    expected = greedy(ref, prompts, 10)
+    with ContinuousBatchingEngine(paged, ON) as engine:
+        assert engine.executor.wait(timeout=600)
+        got = [run(engine, [p], 10)[0] for p in prompts]
+        assert engine.executor.num_padded_steps >= 18
+    assert not compare_greedy(ref, prompts, expected, got)
+
+
+def test_a_failed_compile_falls_back_to_eager(llama_dir, monkeypatch, caplog) -> None:
+    ref, paged = load_pair(llama_dir)  # a fresh model: nothing compiled for it yet
+
+    def broken(fn, **kwargs):
+        def fail(*args, **kw):
+            raise RuntimeError("injected compile failure")
+
+        return fail
+
+    monkeypatch.setattr(compiled_module.torch, "compile", broken)
+    prompts = ragged_prompts(3, 3, 20, seed=7)
+    expected = greedy(ref, prompts, 8)
+    with caplog.at_level(logging.WARNING, logger=compiled_module.__name__):
+        with ContinuousBatchingEngine(paged, ON) as engine:
+            assert not engine.executor.wait(timeout=60)
+            got = run(engine, prompts, 8)
+            assert "injected compile failure" in engine.executor.failed
+            assert engine.executor.num_compiled_steps == 0
+    assert "steps run eagerly" in caplog.text
+    assert not compare_greedy(ref, prompts, expected, got)
+
+
+def test_weights_changed_after_the_compile_run_eagerly(llama_dir) -> None:
+    """An in-place weight update (as an optimizer step) after the compile: the frozen graph would
+    use the old values, so the engine notices and runs eagerly, with the new weights."""
+    ref, paged = load_pair(llama_dir)  # its own model: this one's compiled forward ends up retired
+    prompts = ragged_prompts(3, 3, 20, seed=11)
+    with ContinuousBatchingEngine(paged, ON) as engine:
+        assert engine.executor.wait(timeout=600)
+        before = run(engine, prompts, 8)
+        assert engine.executor.num_compiled_steps > 0 and engine.executor.failed is None
+    with torch.no_grad():
+        for model in (paged, ref):
+            model.model.layers[0].mlp.down_proj.weight.mul_(3.0)
+    expected = greedy(ref, prompts, 8)
+    with ContinuousBatchingEngine(paged, ON) as engine:  # a new engine: its prefix cache is empty
+        got = run(engine, prompts, 8)
+        assert "weights changed" in engine.executor.failed
+    assert not compare_greedy(ref, prompts, expected, got)
+    assert got != before  # the change is visible in the tokens, so the test can tell stale weights
+
+
+@pytest.mark.slow
+def test_compiled_demo_model_equals_sdpa(demo) -> None:
+    tokenizer, paged, ref = demo
+    prompts = [tokenizer(t)["input_ids"] for t in ("The cat sat on the", "Once upon a time, there", "A")]
+    expected = greedy(ref, prompts, 16)
+    with ContinuousBatchingEngine(paged, PagedConfig(compile=True)) as engine:
+        assert engine.executor.wait(timeout=900)
+        got = run(engine, prompts, 16)
+        assert engine.executor.num_compiled_steps > 10
+    assert not compare_greedy(ref, prompts, expected, got)
