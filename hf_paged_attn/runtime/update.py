@@ -21,6 +21,7 @@ from ..core.request import Request, RequestOutput
 from ..core.scheduler import Scheduler, SchedulerOutput
 from .beam import BeamGroup
 from .sampling import Sample, sample_one, sample_rows, should_stop
+from .speculative.verify import verify_step
 from .stats import StepCounters
 
 
@@ -41,12 +42,14 @@ class Updater:
 
     def apply(self, plan: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
         """The step ran: ``logits`` [num_sampled, vocab] float32, one row per request whose chunk
-        reached the end of its known tokens, in scheduling order."""
+        reached the end of its known tokens, in scheduling order (speculating requests: all theirs)."""
+        outputs: list[RequestOutput] = []
+        if plan.num_lookahead_tokens:  # speculating requests are verified apart (speculative/verify.py)
+            plan, logits, outputs = verify_step(self, plan, logits)
         for s in plan.scheduled:
             self.kv.commit(s.request, s.num_new_tokens)
         sampled = [s.request for s in plan.scheduled if s.request.num_computed_tokens == s.request.num_tokens]
         rows = [row for row, r in enumerate(sampled) if r.group is None]
-        outputs = []
         mine = logits if len(rows) == len(sampled) else logits[rows]  # no beams: no [rows, vocab] copy
         for row, sample in zip(rows, sample_rows(mine, [sampled[row] for row in rows], self.generator)):
             siblings = self._fork(sampled[row], logits[row : row + 1]) if sampled[row].children else []

@@ -1,0 +1,199 @@
+"""``Speculator``: the engine's speculative decoding, in two calls around the scheduler.
+
+- ``plan(running)``, before ``Scheduler.schedule``: each decoding request that speculates gets its
+  ``lookahead`` for the step (``adaptive.allocate``: what pays at this batch size and acceptance;
+  never past ``max_new_tokens``); prompt lookup proposes at once, so its lookahead is exactly its
+  proposal's length.
+- ``propose(plan)``, after it: the proposals of the scheduled requests, cut to the room the
+  scheduler reserved (it may grant less, or nothing: then the request decodes as usual); the draft
+  model runs here. Returns what ``build_step`` feeds after each request's known tokens.
+
+Verification is ``verify.py``, from ``Updater.apply``. A request speculates when its own generation
+config asks (``prompt_lookup_num_tokens``) or the engine's ``PagedConfig.speculative`` does, and it
+is not a beam search and every logits processor of it leaves the ids alone (temperature, top-k,
+top-p, min-p, typical, epsilon): verification runs them on ``k + 1`` rows at once, which a processor
+that reads the history, or one of the caller's, would see out of order. Other requests decode as
+usual beside the speculating ones.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from ...attention.step import StepMetadata
+from ...core.kv_manager import KVBlockManager
+from ...core.layers import LayerKinds
+from ...core.request import Request, Status
+from ...core.scheduler import SchedulerOutput
+from ...kernels.base import AttentionBackend
+from ..sampling import ROW_FREE_PROCESSORS
+from .adaptive import Acceptance, StepCost, allocate
+from .config import RequestSpeculation, SpeculativeConfig, request_speculation
+from .draft import DraftProposer
+from .ngram import NgramIndex
+
+logger = logging.getLogger(__name__)
+
+# A step's fixed cost in tokens of its per-token cost, before the engine has measured its own
+# (adaptive.py): measured on the bundled model, a 4-layer 256-wide Llama (benchmarks/speculative.py).
+DEFAULT_OVERHEAD = {"cpu": 16.0, "cuda": 128.0}
+
+
+@dataclass(slots=True)
+class SpecState:
+    """One request's speculative decoding: what it asked for, its acceptance, its proposer's state."""
+
+    settings: RequestSpeculation
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    ngram: NgramIndex | None = None
+    draft_computed: int = 0  # positions the draft model has fed (its K/V), of this request's current blocks
+    preemptions: int = 0  # the request's num_preemptions when draft_computed was last valid
+    q: torch.Tensor | None = None  # [k, vocab]: the draft's probabilities of this step's proposals (sampling)
+
+    def draft_start(self, request: Request) -> int:
+        """Where the draft model resumes: what it fed that the target kept (a preemption freed it all)."""
+        if request.num_preemptions != self.preemptions:
+            self.preemptions, self.draft_computed = request.num_preemptions, 0
+        return min(self.draft_computed, request.num_computed_tokens)
+
+
+class Speculator:
+    def __init__(
+        self,
+        config: SpeculativeConfig | None,
+        kv: KVBlockManager,
+        draft: DraftProposer | None,
+        device: torch.device,
+        generator: torch.Generator,
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.draft = draft
+        self.generator = generator
+        self.active = False  # some request has speculated: from then on, steps are timed
+        self._decode_only = False  # the step being proposed holds no prefill
+        overhead = DEFAULT_OVERHEAD.get(device.type, DEFAULT_OVERHEAD["cuda"])
+        self.cost = StepCost(overhead, config.step_overhead_tokens if config is not None else None)
+        self.adaptive = config.adaptive if config is not None else True
+        self._warned: set[str] = set()
+
+    # ----------------------------------------------------------------------------- before scheduling
+    def plan(self, running: list[Request]) -> None:
+        """Set each running request's ``lookahead`` (and prompt lookup's ``draft_ids``) for the step."""
+        candidates: list[tuple[Request, SpecState, list[int] | None, int]] = []
+        num_decoding = 0
+        for request in running:
+            if request.lookahead or request.draft_ids:  # last step's, not granted
+                request.lookahead, request.draft_ids = 0, []
+            if request.num_pending_tokens != 1 or request.status is not Status.RUNNING:
+                continue
+            num_decoding += 1
+            state = request.speculation
+            if state is None:
+                state = request.speculation = self._state_for(request)
+            if not state:
+                continue
+            limit = min(state.settings.k, request.max_new_tokens - len(request.output_ids) - 1)
+            proposal = None
+            if state.ngram is not None:
+                state.ngram.extend(request)
+                proposal = state.ngram.propose(limit, request.sampling.eos_token_ids)
+                limit = len(proposal)
+            if limit > 0:
+                candidates.append((request, state, proposal, limit))
+        if not candidates:
+            return
+        limits = [limit for *_, limit in candidates]
+        if self.adaptive:
+            rates = [state.acceptance.rate for _, state, _, _ in candidates]
+            limits = allocate(rates, limits, self.cost.overhead, num_decoding)
+        for (request, state, proposal, _), k in zip(candidates, limits):
+            request.lookahead = k
+            if proposal is not None:
+                request.draft_ids = proposal[:k]
+            if not k:
+                state.acceptance.idle()
+
+    def _state_for(self, request: Request) -> SpecState | bool:
+        """A request's state, or False when it does not speculate (checked once per request)."""
+        params = request.sampling
+        settings = request_speculation(params.generation_config, self.config)
+        if settings is None or not settings.k:
+            return False
+        reason = None
+        if request.group is not None:
+            reason = "beam search"
+        elif any(type(p) not in ROW_FREE_PROCESSORS for p in params.processors):
+            kinds = sorted({type(p).__name__ for p in params.processors if type(p) not in ROW_FREE_PROCESSORS})
+            reason = f"logits processors that read the ids ({', '.join(kinds)})"
+        elif settings.method == "draft" and self.draft is None:
+            reason = "no draft model"
+        if reason is not None:
+            if reason not in self._warned:
+                self._warned.add(reason)
+                logger.warning("requests with %s decode without speculation", reason)
+            return False
+        self.active = True
+        ngram = NgramIndex(settings.ngram_size) if settings.method == "ngram" else None
+        return SpecState(settings, ngram=ngram)
+
+    # ----------------------------------------------------------------------------- after scheduling
+    def propose(self, plan: SchedulerOutput) -> list[list[int]] | None:
+        """The proposals each scheduled request feeds after its known tokens (None: no request
+        speculates this step). Shortens ``num_new_tokens`` and gives back unused room where a
+        proposal came out shorter than the reservation."""
+        if self.draft is not None and plan.block_copies:
+            self.draft.copy_blocks(plan.block_copies)
+        for request in plan.preempted:
+            request.lookahead, request.draft_ids = 0, []
+        if not plan.num_lookahead_tokens:
+            return None
+        to_draft: list[tuple[Request, int]] = []
+        for s in plan.scheduled:
+            request = s.request
+            granted = s.num_new_tokens - request.num_pending_tokens
+            if granted <= 0:
+                request.draft_ids = []
+            elif request.speculation.ngram is None:
+                to_draft.append((request, granted))
+            else:
+                request.draft_ids = request.draft_ids[:granted]
+        if to_draft:
+            self.draft.propose(to_draft, self.generator)
+        self._decode_only = True
+        for s in plan.scheduled:
+            request = s.request
+            fed = request.num_pending_tokens + len(request.draft_ids)
+            if s.num_new_tokens > fed:  # the proposal came out shorter than its room
+                s.num_new_tokens = fed
+                self.kv.trim(request, request.num_computed_tokens + fed)
+            self._decode_only = self._decode_only and request.num_pending_tokens == 1
+        return [s.request.draft_ids for s in plan.scheduled]
+
+    def observe(self, step: StepMetadata, seconds: float) -> None:
+        """A step ran in ``seconds`` (proposals and forward): decode and verify steps fit the cost model."""
+        if self.active and (step.is_decode or self._decode_only):
+            self.cost.observe(step.num_tokens, seconds)
+        self._decode_only = False
+
+
+def build_speculator(
+    model: torch.nn.Module,
+    config: SpeculativeConfig | None,
+    kv: KVBlockManager,
+    layers: LayerKinds,
+    num_pages: int,
+    backend: AttentionBackend,
+    max_batch_tokens: int,
+    device: torch.device,
+    generator: torch.Generator,
+) -> Speculator:
+    """The engine's speculator; with ``config.draft_model``, its draft model's cache of ``num_pages``
+    pages (as many as the target's) addressed by the target's blocks."""
+    draft = None
+    if config is not None and config.draft_model is not None:
+        draft = DraftProposer(config.draft_model, model, layers, num_pages, kv.block_size, backend, max_batch_tokens)
+    return Speculator(config, kv, draft, device, generator)
