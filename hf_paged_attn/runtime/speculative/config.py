@@ -67,7 +67,7 @@ class SpeculativeConfig:
         ``draft_model``), as the server's ``--speculative`` flag takes them."""
         method, _, rest = spec.partition(":")
         numbers = rest.split(":") if rest else []
-        if method not in METHODS or len(numbers) > (2 if method == "ngram" else 1) or not all(
+        if method not in METHODS or not 1 <= len(numbers) <= (2 if method == "ngram" else 1) or not all(
             n.isdigit() for n in numbers
         ):
             raise ValueError(f"speculative spec must be ngram:K, ngram:K:N or draft:K, got {spec!r}")
