@@ -24,7 +24,7 @@ def test_speculative_flags_become_a_speculative_config():
     with pytest.raises(ValueError, match="speculative spec"):
         paged_config(parse_args(["m", "--speculative", "ngram:x"]))
     model = str(DEMO_MODEL)
-    args = parse_args([model, "--draft-model", model, "--speculative", "draft:2", "--num-blocks", "32", "--device", "cpu"])
+    args = parse_args([model, "--draft-model", model, "--speculative", "draft:2", "--num-blocks", "32"])
     engine, _ = load(args)
     assert engine.config.speculative.method == "draft" and engine.config.speculative.num_speculative_tokens == 2
     assert engine.speculator.draft is not None
