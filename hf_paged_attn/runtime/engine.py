@@ -166,7 +166,6 @@ class ContinuousBatchingEngine(BatchAPI):
             return self.updater.fail(plan, exc)
         self.counters.num_steps += 1
         self.counters.forward_seconds += time.perf_counter() - forward_start
-        self.speculator.observe(step, time.perf_counter() - forward_start)
         if not self.layers.observed:  # every layer has now attended once: the windows they really use
             self.layers.observe(self.cache.observed_windows())
         return self.updater.apply(plan, logits)

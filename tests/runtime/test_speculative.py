@@ -169,14 +169,17 @@ def test_stop_strings_inside_accepted_runs_end_where_sdpa_ends(demo):
 
 
 def test_speculating_and_plain_requests_share_steps(llama_pair):
-    """Per-request prompt lookup (generation config) next to plain greedy requests and to a request
-    whose processor reads the ids (it decodes without speculation): all equal sdpa."""
+    """Requests with their own prompt lookup (generation config), with the engine's, opted out
+    (``prompt_lookup_num_tokens=0``) and one whose processor reads the ids (it decodes without
+    speculation) share steps: all equal sdpa."""
     ref, paged = llama_pair
     prompts, new = looping_prompts(4, seed=11), 16
-    engine = ContinuousBatchingEngine(paged, PagedConfig(block_size=4, num_blocks=100))
+    spec = SpeculativeConfig(num_speculative_tokens=2, adaptive=False)
+    engine = ContinuousBatchingEngine(paged, PagedConfig(block_size=4, num_blocks=100, speculative=spec))
     lookup = GenerationConfig(do_sample=False, prompt_lookup_num_tokens=4, max_matching_ngram_size=3)
-    penalty = GenerationConfig(do_sample=False, prompt_lookup_num_tokens=4, repetition_penalty=1.5)
-    configs = [lookup, None, lookup, penalty]
+    off = GenerationConfig(do_sample=False, prompt_lookup_num_tokens=0)
+    penalty = GenerationConfig(do_sample=False, repetition_penalty=1.5)
+    configs = [lookup, None, off, penalty]
     ids = [engine.add_request(p, max_new_tokens=new, generation_config=c) for p, c in zip(prompts, configs)]
     finals = {o.request_id: o for o in engine.stream() if o.finished}
     for rid, p, c in zip(ids, prompts, configs):

@@ -1,6 +1,6 @@
 """Speculative decoding's parts, each against its definition: prompt lookup against transformers'
 ``PromptLookupCandidateGenerator``, rejection sampling against the target distribution (chi-square
-on many draws from synthetic p and q), the adaptive choice of k, the step cost fit, the step
+on many draws from synthetic p and q), the adaptive choice of k, the step
 description with proposals, ``KVBlockManager.trim``, the torch backend's in-place multi-query rows."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from hf_paged_attn.core.kv_manager import KVBlockManager
 from hf_paged_attn.core.request import Request
 from hf_paged_attn.core.scheduler import ScheduledRequest, Scheduler
 from hf_paged_attn.kernels import reference, torch_backend
-from hf_paged_attn.runtime.speculative.adaptive import Acceptance, StepCost, allocate
+from hf_paged_attn.runtime.speculative.adaptive import Acceptance, allocate
 from hf_paged_attn.runtime.speculative.config import SpeculativeConfig
 from hf_paged_attn.runtime.speculative.ngram import NgramIndex
 from hf_paged_attn.runtime.speculative.verify import accept_greedy, rejection_sample
@@ -156,25 +156,27 @@ def test_rejection_sampling_with_a_point_mass_accepts_at_the_target_probability(
 
 # ---------------------------------------------------------------------------------- adaptive k
 def test_allocate_speculates_at_batch_one_and_stops_in_a_big_batch():
-    assert allocate([0.8], [6], overhead=20.0, num_decoding=1) == [6]
-    assert allocate([0.8], [6], overhead=0.0, num_decoding=1) == [0]  # a step costs its tokens only
-    big = allocate([0.6] * 64, [4] * 64, overhead=20.0, num_decoding=64)
+    assert allocate([(0.8, 0.8)], [6], overhead=20.0, num_decoding=1) == [6]
+    assert allocate([(0.8, 0.8)], [6], overhead=0.0, num_decoding=1) == [0]  # a step costs its tokens only
+    big = allocate([(0.6, 0.6)] * 64, [4] * 64, overhead=20.0, num_decoding=64)
     assert sum(big) == 0  # 64 decodes: an extra row costs more than what it earns
-    assert sum(allocate([0.6] * 8, [4] * 8, overhead=20.0, num_decoding=8)) > 0  # 8 decodes: it pays
+    assert sum(allocate([(0.6, 0.6)] * 8, [4] * 8, overhead=20.0, num_decoding=8)) > 0  # 8 decodes: it pays
     # Mixed acceptance: the slots go to the requests whose proposals are accepted
-    ks = allocate([0.95, 0.1, 0.6], [4, 4, 4], overhead=8.0, num_decoding=3)
+    ks = allocate([(0.95, 0.95), (0.1, 0.9), (0.6, 0.6)], [4, 4, 4], overhead=8.0, num_decoding=3)
     assert ks[0] >= ks[2] > ks[1] == 0
-    assert allocate([0.0, 1.0], [3, 0], overhead=30.0, num_decoding=2) == [0, 0]  # rate 0, limit 0
+    assert allocate([(0.0, 1.0), (1.0, 1.0)], [3, 0], overhead=30.0, num_decoding=2) == [0, 0]  # rate 0, limit 0
+    # A poor first proposal whose continuation is good: once it pays, the request takes many slots
+    assert allocate([(0.3, 0.9)], [8], overhead=16.0, num_decoding=1) == [8]
 
 
 def test_allocate_maximises_tokens_per_cost():
     """The greedy allocation is optimal: no other choice of ks earns more tokens per unit of cost."""
     import itertools
 
-    rates, limits, overhead = [0.9, 0.5, 0.7], [3, 3, 2], 5.0
+    rates, limits, overhead = [(0.9, 0.8), (0.5, 0.5), (0.4, 0.9)], [3, 3, 2], 5.0
 
     def tokens_per_cost(ks: tuple[int, ...]) -> float:
-        emitted = 3 + sum(sum(r**j for j in range(1, k + 1)) for r, k in zip(rates, ks))
+        emitted = 3 + sum(sum(f * c ** (j - 1) for j in range(1, k + 1)) for (f, c), k in zip(rates, ks))
         return emitted / (overhead + 3 + sum(ks))
 
     best = max(itertools.product(*(range(n + 1) for n in limits)), key=tokens_per_cost)
@@ -183,29 +185,27 @@ def test_allocate_maximises_tokens_per_cost():
 
 def test_acceptance_follows_the_text_and_drifts_back_when_idle():
     a = Acceptance()
-    prior = a.rate
+    prior = (a.first, a.continued)
     for _ in range(10):
         a.observe(4, 0)
-    assert a.rate < 0.1
+    assert a.first < 0.1 and abs(a.continued - prior[1]) < 1e-9  # nothing was learned about continuations
     for _ in range(200):
         a.idle()
-    assert abs(a.rate - prior) < 0.01
+    assert abs(a.first - prior[0]) < 0.01
+    for _ in range(10):
+        a.observe(4, 1)  # the first right, the second wrong
+    assert a.first > 0.95 and a.continued < 0.1
     for _ in range(10):
         a.observe(4, 4)
-    assert a.rate > 0.95
+    assert a.first > 0.95 and a.continued > 0.95 and abs(a.gain(3) - a.first * a.continued**2) < 1e-12
 
 
-def test_step_cost_fits_the_overhead():
-    cost = StepCost(prior_overhead=20.0)
-    assert cost.overhead == 20.0
-    for n in [1, 5] * 30:  # decode and verify steps: 4 ms + 0.2 ms a token
-        cost.observe(n, 0.004 + 0.0002 * n)
-    assert abs(cost.overhead - 20.0) < 0.01
-    flat = StepCost(prior_overhead=7.0)
-    for _ in range(40):
-        flat.observe(8, 0.01)  # no spread in sizes: nothing to fit
-    assert flat.overhead == 7.0
-    assert StepCost(prior_overhead=7.0, fixed=3.0).overhead == 3.0
+def test_allocate_pays_the_switch_to_a_verify_step_only_when_it_earns_it():
+    # one request of 16 with a middling acceptance: a slot earns 0.6, the switch costs 3 tokens
+    few = [(0.6, 0.0)] + [(0.0, 0.0)] * 15
+    assert allocate(few, [1] * 16, overhead=16.0, num_decoding=16, switch=0.0) == [1] + [0] * 15
+    assert allocate(few, [1] * 16, overhead=16.0, num_decoding=16, switch=3.0) == [0] * 16
+    assert allocate([(0.9, 0.9)] * 16, [4] * 16, overhead=16.0, num_decoding=16, switch=3.0)[0] > 0
 
 
 def test_speculative_config_validates_and_parses():

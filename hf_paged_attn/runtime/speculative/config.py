@@ -29,8 +29,11 @@ class SpeculativeConfig:
             step's batch size (``adaptive.py``), down to 0; False: always propose ``k``.
         step_overhead_tokens: what one forward costs regardless of its size, in tokens of the
             forward's per-token cost (a step of ``N`` tokens costs ``overhead + N``): the adaptive
-            choice speculates while an extra token earns more than it costs. None: measured from the
-            engine's own steps, starting from a per-device default.
+            choice speculates while an extra token earns more than it costs. None: the device's
+            default (``speculator.DEFAULT_COSTS``).
+        switch_cost_tokens: what a step that verifies costs more than a plain decode step of as
+            many tokens (another kernel path; on a GPU, no CUDA graph), in the same unit. None: the
+            device's default.
     """
 
     num_speculative_tokens: int = 4
@@ -38,6 +41,7 @@ class SpeculativeConfig:
     max_matching_ngram_size: int = DEFAULT_NGRAM_SIZE
     adaptive: bool = True
     step_overhead_tokens: float | None = None
+    switch_cost_tokens: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_speculative_tokens", "max_matching_ngram_size"):
@@ -46,11 +50,10 @@ class SpeculativeConfig:
                 raise ValueError(f"SpeculativeConfig.{name} must be a positive int, got {value!r}")
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"SpeculativeConfig.adaptive must be a bool, got {self.adaptive!r}")
-        overhead = self.step_overhead_tokens
-        if overhead is not None and (
-            isinstance(overhead, bool) or not isinstance(overhead, (int, float)) or overhead < 0
-        ):
-            raise ValueError(f"SpeculativeConfig.step_overhead_tokens must be None or >= 0, got {overhead!r}")
+        for name in ("step_overhead_tokens", "switch_cost_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+                raise ValueError(f"SpeculativeConfig.{name} must be None or a number >= 0, got {value!r}")
         if self.draft_model is not None and not hasattr(self.draft_model, "config"):
             raise ValueError(
                 "SpeculativeConfig.draft_model must be a causal LM (from_pretrained), "

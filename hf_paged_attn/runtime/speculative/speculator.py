@@ -23,23 +23,24 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...attention.step import StepMetadata
 from ...core.kv_manager import KVBlockManager
 from ...core.layers import LayerKinds
 from ...core.request import Request, Status
 from ...core.scheduler import SchedulerOutput
 from ...kernels.base import AttentionBackend
 from ..sampling import ROW_FREE_PROCESSORS
-from .adaptive import Acceptance, StepCost, allocate
+from .adaptive import Acceptance, allocate
 from .config import RequestSpeculation, SpeculativeConfig, request_speculation
 from .draft import DraftProposer
 from .ngram import NgramIndex
 
 logger = logging.getLogger(__name__)
 
-# A step's fixed cost in tokens of its per-token cost, before the engine has measured its own
-# (adaptive.py): measured on the bundled model, a 4-layer 256-wide Llama (benchmarks/speculative.py).
-DEFAULT_OVERHEAD = {"cpu": 16.0, "cuda": 128.0}
+# What a step costs besides its tokens, and what verifying costs besides its rows, in tokens of the
+# forward's per-token cost (adaptive.py). CPU: measured on the bundled model (benchmarks/speculative.py).
+# GPU: a decode step replayed from a CUDA graph against an eager verify step, guessed for a model of
+# a few billion parameters (untested here: set SpeculativeConfig.step_overhead_tokens / switch_cost_tokens).
+DEFAULT_COSTS = {"cpu": (16.0, 3.0), "cuda": (128.0, 32.0)}
 
 
 @dataclass(slots=True)
@@ -73,17 +74,20 @@ class Speculator:
         self.kv = kv
         self.draft = draft
         self.generator = generator
-        self.active = False  # some request has speculated: from then on, steps are timed
-        self._decode_only = False  # the step being proposed holds no prefill
-        overhead = DEFAULT_OVERHEAD.get(device.type, DEFAULT_OVERHEAD["cuda"])
-        self.cost = StepCost(overhead, config.step_overhead_tokens if config is not None else None)
+        overhead, switch = DEFAULT_COSTS.get(device.type, DEFAULT_COSTS["cuda"])
+        if config is not None and config.step_overhead_tokens is not None:
+            overhead = config.step_overhead_tokens
+        if config is not None and config.switch_cost_tokens is not None:
+            switch = config.switch_cost_tokens
+        self.overhead, self.switch = overhead, switch
         self.adaptive = config.adaptive if config is not None else True
         self._warned: set[str] = set()
 
     # ----------------------------------------------------------------------------- before scheduling
     def plan(self, running: list[Request]) -> None:
         """Set each running request's ``lookahead`` (and prompt lookup's ``draft_ids``) for the step."""
-        candidates: list[tuple[Request, SpecState, list[int] | None, int]] = []
+        candidates: list[tuple[Request, SpecState]] = []
+        limits: list[int] = []
         num_decoding = 0
         for request in running:
             if request.lookahead or request.draft_ids:  # last step's, not granted
@@ -97,23 +101,27 @@ class Speculator:
             if not state:
                 continue
             limit = min(state.settings.k, request.max_new_tokens - len(request.output_ids) - 1)
-            proposal = None
-            if state.ngram is not None:
-                state.ngram.extend(request)
-                proposal = state.ngram.propose(limit, request.sampling.eos_token_ids)
-                limit = len(proposal)
             if limit > 0:
-                candidates.append((request, state, proposal, limit))
+                candidates.append((request, state))
+                limits.append(limit)
         if not candidates:
             return
-        limits = [limit for *_, limit in candidates]
-        if self.adaptive:
-            rates = [state.acceptance.rate for _, state, _, _ in candidates]
-            limits = allocate(rates, limits, self.cost.overhead, num_decoding)
-        for (request, state, proposal, _), k in zip(candidates, limits):
+        if self.adaptive:  # first as if every proposal came out whole: lookups only where a slot may pay
+            rates = [(state.acceptance.first, state.acceptance.continued) for _, state in candidates]
+            limits = allocate(rates, limits, self.overhead, num_decoding, self.switch)
+        shortened = False
+        for i, (request, state) in enumerate(candidates):
+            if limits[i] and state.ngram is not None:
+                state.ngram.extend(request)
+                request.draft_ids = state.ngram.propose(limits[i], request.sampling.eos_token_ids)
+                shortened = shortened or len(request.draft_ids) < limits[i]
+                limits[i] = len(request.draft_ids)
+        if shortened and self.adaptive:  # the slots of proposals that came out short go to the others
+            limits = allocate(rates, limits, self.overhead, num_decoding, self.switch)
+        for (request, state), k in zip(candidates, limits):
             request.lookahead = k
-            if proposal is not None:
-                request.draft_ids = proposal[:k]
+            if state.ngram is not None:
+                request.draft_ids = request.draft_ids[:k]
             if not k:
                 state.acceptance.idle()
 
@@ -136,7 +144,6 @@ class Speculator:
                 self._warned.add(reason)
                 logger.warning("requests with %s decode without speculation", reason)
             return False
-        self.active = True
         ngram = NgramIndex(settings.ngram_size) if settings.method == "ngram" else None
         return SpecState(settings, ngram=ngram)
 
@@ -163,21 +170,13 @@ class Speculator:
                 request.draft_ids = request.draft_ids[:granted]
         if to_draft:
             self.draft.propose(to_draft, self.generator)
-        self._decode_only = True
         for s in plan.scheduled:
             request = s.request
             fed = request.num_pending_tokens + len(request.draft_ids)
             if s.num_new_tokens > fed:  # the proposal came out shorter than its room
                 s.num_new_tokens = fed
                 self.kv.trim(request, request.num_computed_tokens + fed)
-            self._decode_only = self._decode_only and request.num_pending_tokens == 1
         return [s.request.draft_ids for s in plan.scheduled]
-
-    def observe(self, step: StepMetadata, seconds: float) -> None:
-        """A step ran in ``seconds`` (proposals and forward): decode and verify steps fit the cost model."""
-        if self.active and (step.is_decode or self._decode_only):
-            self.cost.observe(step.num_tokens, seconds)
-        self._decode_only = False
 
 
 def build_speculator(
