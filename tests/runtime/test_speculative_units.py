@@ -186,16 +186,16 @@ def test_allocate_maximises_tokens_per_cost():
 def test_acceptance_follows_the_text_and_drifts_back_when_idle():
     a = Acceptance()
     prior = (a.first, a.continued)
-    for _ in range(10):
+    for _ in range(30):
         a.observe(4, 0)
     assert a.first < 0.1 and abs(a.continued - prior[1]) < 1e-9  # nothing was learned about continuations
     for _ in range(200):
         a.idle()
     assert abs(a.first - prior[0]) < 0.01
-    for _ in range(10):
+    for _ in range(30):
         a.observe(4, 1)  # the first right, the second wrong
     assert a.first > 0.95 and a.continued < 0.1
-    for _ in range(10):
+    for _ in range(30):
         a.observe(4, 4)
     assert a.first > 0.95 and a.continued > 0.95 and abs(a.gain(3) - a.first * a.continued**2) < 1e-12
 

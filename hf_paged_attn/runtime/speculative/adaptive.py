@@ -5,8 +5,7 @@ units of its per-token cost. ``overhead`` is the part a step pays whatever its s
 weights read once, Python): large where a forward is bound by reading the weights (a GPU, a small
 model), small where it is compute-bound. ``switch``: a step with proposals is no plain decode step
 (the varlen path instead of the decode kernel; on a GPU, an eager forward instead of a CUDA graph's
-replay). Measured on the CPU with the bundled model (``benchmarks/speculative.py``): overhead 16
-tokens, switch 3 (a decode step of 16 requests 6.0 ms, with 16 more rows 8.3 ms, with 1 more 6.5 ms).
+replay); on the CPU it grows with the batch. The defaults, per device, are in ``speculator.py``.
 
 Gain: a request emits its ``j``-th proposal when the first ``j`` are all accepted: with ``f`` the
 chance that its first proposal is accepted and ``c`` the chance that one after an accepted one is
@@ -33,8 +32,8 @@ from dataclasses import dataclass, field
 
 PRIOR = (0.5, 0.7)  # what a request's first proposals are assumed to earn: (first, continued)
 PRIOR_WEIGHT = 2.0  # in verifications
-DECAY = 0.8  # weight of the past at each verification (about the last 5 count)
-DRIFT = 0.05  # share of the way back to the prior per step without a verification
+DECAY = 0.9  # weight of the past at each verification (about the last 10 count)
+DRIFT = 0.1  # share of the way back to the prior per step without a verification
 
 
 @dataclass(slots=True)

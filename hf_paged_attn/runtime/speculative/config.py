@@ -33,7 +33,7 @@ class SpeculativeConfig:
             default (``speculator.DEFAULT_COSTS``).
         switch_cost_tokens: what a step that verifies costs more than a plain decode step of as
             many tokens (another kernel path; on a GPU, no CUDA graph), in the same unit. None: the
-            device's default.
+            device's default (on the CPU it grows with the batch size).
     """
 
     num_speculative_tokens: int = 4

@@ -36,11 +36,13 @@ from .ngram import NgramIndex
 
 logger = logging.getLogger(__name__)
 
-# What a step costs besides its tokens, and what verifying costs besides its rows, in tokens of the
-# forward's per-token cost (adaptive.py). CPU: measured on the bundled model (benchmarks/speculative.py).
-# GPU: a decode step replayed from a CUDA graph against an eager verify step, guessed for a model of
-# a few billion parameters (untested here: set SpeculativeConfig.step_overhead_tokens / switch_cost_tokens).
-DEFAULT_COSTS = {"cpu": (16.0, 3.0), "cuda": (128.0, 32.0)}
+# What a step costs besides its tokens, and what verifying costs besides its rows (fixed, and per
+# decoding request), in tokens of the forward's per-token cost (adaptive.py). CPU: measured on the
+# bundled model, whole steps (benchmarks/speculative.py): a decode step of 1 request 2.7 ms, +0.15 ms
+# a row, +0.2 ms to verify; of 16 requests 6.0 ms, +0.45 ms to verify. GPU: a decode step replayed
+# from a CUDA graph against an eager verify step, guessed for a model of a few billion parameters
+# (not measured here: set SpeculativeConfig.step_overhead_tokens / switch_cost_tokens).
+DEFAULT_COSTS = {"cpu": (18.0, 1.0, 0.15), "cuda": (128.0, 32.0, 0.0)}
 
 
 @dataclass(slots=True)
@@ -74,12 +76,12 @@ class Speculator:
         self.kv = kv
         self.draft = draft
         self.generator = generator
-        overhead, switch = DEFAULT_COSTS.get(device.type, DEFAULT_COSTS["cuda"])
+        overhead, switch, per_request = DEFAULT_COSTS.get(device.type, DEFAULT_COSTS["cuda"])
         if config is not None and config.step_overhead_tokens is not None:
             overhead = config.step_overhead_tokens
         if config is not None and config.switch_cost_tokens is not None:
-            switch = config.switch_cost_tokens
-        self.overhead, self.switch = overhead, switch
+            switch, per_request = config.switch_cost_tokens, 0.0
+        self.overhead, self.switch, self.switch_per_request = overhead, switch, per_request
         self.adaptive = config.adaptive if config is not None else True
         self._warned: set[str] = set()
 
@@ -108,7 +110,8 @@ class Speculator:
             return
         if self.adaptive:  # first as if every proposal came out whole: lookups only where a slot may pay
             rates = [(state.acceptance.first, state.acceptance.continued) for _, state in candidates]
-            limits = allocate(rates, limits, self.overhead, num_decoding, self.switch)
+            switch = self.switch + self.switch_per_request * num_decoding
+            limits = allocate(rates, limits, self.overhead, num_decoding, switch)
         shortened = False
         for i, (request, state) in enumerate(candidates):
             if limits[i] and state.ngram is not None:
@@ -117,7 +120,7 @@ class Speculator:
                 shortened = shortened or len(request.draft_ids) < limits[i]
                 limits[i] = len(request.draft_ids)
         if shortened and self.adaptive:  # the slots of proposals that came out short go to the others
-            limits = allocate(rates, limits, self.overhead, num_decoding, self.switch)
+            limits = allocate(rates, limits, self.overhead, num_decoding, switch)
         for (request, state), k in zip(candidates, limits):
             request.lookahead = k
             if state.ngram is not None:
