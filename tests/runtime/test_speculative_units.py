@@ -183,21 +183,32 @@ def test_allocate_maximises_tokens_per_cost():
     assert tuple(allocate(rates, limits, overhead, 3)) == best
 
 
-def test_acceptance_follows_the_text_and_drifts_back_when_idle():
+def test_acceptance_follows_the_text_and_probes_with_a_backoff():
     a = Acceptance()
     prior = (a.first, a.continued)
+    assert a.probe_due  # nothing known yet: the first decode step probes
     for _ in range(30):
         a.observe(4, 0)
     assert a.first < 0.1 and abs(a.continued - prior[1]) < 1e-9  # nothing was learned about continuations
-    for _ in range(200):
+    assert a.probe_after == 256 and not a.probe_due  # failed probes: the next one waits longest
+    for _ in range(255):
         a.idle()
-    assert abs(a.first - prior[0]) < 0.01
+    assert not a.probe_due
+    a.idle()
+    assert a.probe_due
     for _ in range(30):
         a.observe(4, 1)  # the first right, the second wrong
-    assert a.first > 0.95 and a.continued < 0.1
+    assert a.first > 0.95 and a.continued < 0.1 and a.probe_after == 8
     for _ in range(30):
         a.observe(4, 4)
     assert a.first > 0.95 and a.continued > 0.95 and abs(a.gain(3) - a.first * a.continued**2) < 1e-12
+
+
+def test_allocate_counts_a_draft_models_rounds():
+    # a round of the draft costs 5 rows: one request's slots must pay for their rounds, a batch's share them
+    assert allocate([(0.3, 0.5)], [4], overhead=18.0, num_decoding=1, round_cost=5.0) == [0]
+    assert allocate([(0.3, 0.5)], [4], overhead=18.0, num_decoding=1) != [0]
+    assert allocate([(0.9, 0.9)], [4], overhead=18.0, num_decoding=1, round_cost=5.0) == [4]
 
 
 def test_allocate_pays_the_switch_to_a_verify_step_only_when_it_earns_it():

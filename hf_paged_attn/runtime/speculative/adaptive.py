@@ -12,14 +12,19 @@ chance that its first proposal is accepted and ``c`` the chance that one after a
 too, with probability ``f * c**(j - 1)``. The two differ: a prompt lookup's continuation is often
 wrong from its first token, but once its first token is right the rest tends to follow (on the
 bundled model's own greedy text, ``f`` 0.35 and ``c`` 0.74). ``Acceptance`` estimates both per
-request, from what its verifications accepted, with a decay (it follows the text) and a drift back
-to a prior while the request does not speculate, so a request that backed off to 0 is probed again
-now and then.
+request from what its verifications accepted, with a decay (it follows the text).
+
+Probes: a request the allocation gives nothing is probed now and then, whatever its estimate says:
+at its first decode step (nothing is known of it yet), then after 8, 16, 32, ... up to 256 steps
+without a verification while its probes keep failing. Probes are gathered into steps that verify
+anyway, or one step in ``PROBE_STEP``, so a big batch pays for a verify step rarely.
 
 ``allocate`` gives the step's proposal slots, one at a time, to the request whose next proposal is
 worth the most, while that worth exceeds what the step's tokens earn per unit of cost: adding a
-slot of gain ``g`` to a step that emits ``E`` tokens at cost ``T`` pays iff ``(E + g) / (T + 1) >
-E / T``, i.e. ``g * T > E``; then the whole set must beat the plain step, switch included. A batch
+slot of gain ``g`` and cost ``w`` to a step that emits ``E`` tokens at cost ``T`` pays iff
+``(E + g) / (T + w) > E / T``, i.e. ``g * T > E * w``; then the whole set must beat the plain step,
+switch included. A slot costs its verify row, and for a draft model that must run one more round
+for it, that round's forward too (``round_cost``). A batch
 of ``B`` decodes starts at ``E = B``, ``T = overhead + B``: at batch 1 a proposal pays when its
 gain exceeds ``1 / (overhead + 1)``, at a batch far above ``overhead`` only when it is near 1, so a
 big batch stops speculating by itself.
@@ -33,17 +38,21 @@ from dataclasses import dataclass, field
 PRIOR = (0.5, 0.7)  # what a request's first proposals are assumed to earn: (first, continued)
 PRIOR_WEIGHT = 2.0  # in verifications
 DECAY = 0.9  # weight of the past at each verification (about the last 10 count)
-DRIFT = 0.1  # share of the way back to the prior per step without a verification
+PROBE_FIRST, PROBE_MAX = 8, 256  # steps without verification before a probe, doubled while probes fail
+PROBE_STEP = 16  # probes that no verify step takes along wait for one step in this many
 
 
 @dataclass(slots=True)
 class Acceptance:
-    """Decayed counts of one request's proposals accepted and rejected, first and continued ones."""
+    """Decayed counts of one request's proposals accepted and rejected, first and continued ones,
+    and when it is due for a probe."""
 
     counts: list[float] = field(
         default_factory=lambda: [PRIOR[0] * PRIOR_WEIGHT, (1 - PRIOR[0]) * PRIOR_WEIGHT,
                                  PRIOR[1] * PRIOR_WEIGHT, (1 - PRIOR[1]) * PRIOR_WEIGHT]
     )  # fmt: skip  # first accepted, first rejected, continued accepted, continued rejected
+    idle_steps: int = 0  # decode steps since the last verification
+    probe_after: int = 0  # idle steps before a probe: 0 until the first verification
 
     @property
     def first(self) -> float:
@@ -54,6 +63,10 @@ class Acceptance:
     def continued(self) -> float:
         """Chance that a proposal after an accepted one is accepted too."""
         return self.counts[2] / (self.counts[2] + self.counts[3])
+
+    @property
+    def probe_due(self) -> bool:
+        return self.idle_steps >= self.probe_after
 
     def gain(self, j: int) -> float:
         """The expected tokens the ``j``-th proposal (from 1) adds."""
@@ -68,30 +81,41 @@ class Acceptance:
             float(1 <= num_accepted < num_proposed),
         )
         self.counts = [DECAY * c + o for c, o in zip(self.counts, outcome)]
+        self.probe_after = PROBE_FIRST if num_accepted else min(max(2 * self.probe_after, PROBE_FIRST), PROBE_MAX)
+        self.idle_steps = 0
 
     def idle(self) -> None:
-        """A step without verification: drift back towards the prior (probe a request that backed off)."""
-        prior = (PRIOR[0], 1 - PRIOR[0], PRIOR[1], 1 - PRIOR[1])
-        self.counts = [c + DRIFT * (PRIOR_WEIGHT * p - c) for c, p in zip(self.counts, prior)]
+        """A decode step without verification."""
+        self.idle_steps += 1
 
 
 def allocate(
-    rates: list[tuple[float, float]], limits: list[int], overhead: float, num_decoding: int, switch: float = 0.0
+    rates: list[tuple[float, float]],
+    limits: list[int],
+    overhead: float,
+    num_decoding: int,
+    switch: float = 0.0,
+    round_cost: float = 0.0,
 ) -> list[int]:
     """Proposal slots per request, at most ``limits[i]`` for request i of acceptance ``rates[i]``
     (first, continued), in a step of ``num_decoding`` decodes (the speculating requests among
-    them) whose forward costs ``overhead + tokens``, and ``switch`` more if it verifies any proposal."""
+    them) whose forward costs ``overhead + tokens``, ``switch`` more if it verifies any proposal,
+    and ``round_cost`` more for each round of proposals (a draft model's forwards)."""
     plain = num_decoding / (overhead + num_decoding)  # tokens per unit of cost without speculation
-    emitted, cost = float(num_decoding), overhead + num_decoding + switch
+    emitted, cost, rounds = float(num_decoding), overhead + num_decoding + switch, 0
     ks = [0] * len(rates)
     heap = [(-first, i) for i, ((first, _), limit) in enumerate(zip(rates, limits)) if limit > 0 and first > 0]
     heapq.heapify(heap)
     while heap:
         gain, i = heapq.heappop(heap)
         gain = -gain
-        if gain * cost <= emitted:  # the best slot left no longer pays, nor will any other
+        extra = 1 + (round_cost if ks[i] == rounds else 0)  # its row, and a new round of the draft
+        if gain * cost <= emitted * extra:  # does not pay; nor will a smaller gain
+            if extra > 1:
+                continue  # a slot of another request within the rounds already paid for may
             break
-        emitted, cost, ks[i] = emitted + gain, cost + 1, ks[i] + 1
+        emitted, cost, ks[i] = emitted + gain, cost + extra, ks[i] + 1
+        rounds = max(rounds, ks[i])
         if ks[i] < limits[i]:
             heapq.heappush(heap, (-gain * rates[i][1], i))
     return ks if emitted / cost > plain else [0] * len(rates)

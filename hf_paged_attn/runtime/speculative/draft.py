@@ -113,6 +113,8 @@ class DraftProposer:
             )
         self.group = full_attention_group(target_layers)
         self.model = model
+        self.num_layers = model.config.get_text_config().num_hidden_layers
+        self.target_layers = target.config.get_text_config().num_hidden_layers
         self.block_size = block_size
         self.max_batch_tokens = max_batch_tokens
         self.device = input_device(model)

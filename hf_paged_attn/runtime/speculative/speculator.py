@@ -29,7 +29,7 @@ from ...core.request import Request, Status
 from ...core.scheduler import SchedulerOutput
 from ...kernels.base import AttentionBackend
 from ..sampling import ROW_FREE_PROCESSORS
-from .adaptive import Acceptance, allocate
+from .adaptive import PROBE_STEP, Acceptance, allocate
 from .config import RequestSpeculation, SpeculativeConfig, request_speculation
 from .draft import DraftProposer
 from .ngram import NgramIndex
@@ -83,6 +83,10 @@ class Speculator:
             switch, per_request = config.switch_cost_tokens, 0.0
         self.overhead, self.switch, self.switch_per_request = overhead, switch, per_request
         self.adaptive = config.adaptive if config is not None else True
+        # a draft model's round (one forward of it) against the target's per-token cost: both
+        # forwards' fixed costs are mostly per layer
+        self.round_cost = draft.num_layers / draft.target_layers * overhead if draft is not None else 0.0
+        self.num_steps = 0
         self._warned: set[str] = set()
 
     # ----------------------------------------------------------------------------- before scheduling
@@ -106,12 +110,11 @@ class Speculator:
             if limit > 0:
                 candidates.append((request, state))
                 limits.append(limit)
+        self.num_steps += 1
         if not candidates:
             return
         if self.adaptive:  # first as if every proposal came out whole: lookups only where a slot may pay
-            rates = [(state.acceptance.first, state.acceptance.continued) for _, state in candidates]
-            switch = self.switch + self.switch_per_request * num_decoding
-            limits = allocate(rates, limits, self.overhead, num_decoding, switch)
+            limits = self._allocate(candidates, limits, num_decoding)
         shortened = False
         for i, (request, state) in enumerate(candidates):
             if limits[i] and state.ngram is not None:
@@ -120,13 +123,24 @@ class Speculator:
                 shortened = shortened or len(request.draft_ids) < limits[i]
                 limits[i] = len(request.draft_ids)
         if shortened and self.adaptive:  # the slots of proposals that came out short go to the others
-            limits = allocate(rates, limits, self.overhead, num_decoding, switch)
+            limits = self._allocate(candidates, limits, num_decoding)
         for (request, state), k in zip(candidates, limits):
             request.lookahead = k
             if state.ngram is not None:
                 request.draft_ids = request.draft_ids[:k]
             if not k:
                 state.acceptance.idle()
+
+    def _allocate(self, candidates: list[tuple[Request, SpecState]], limits: list[int], num_decoding: int) -> list[int]:
+        """``adaptive.allocate``'s slots, and probes for the requests due one (all of their limit)
+        where the step verifies anyway or it is the step for probes."""
+        rates = [(state.acceptance.first, state.acceptance.continued) for _, state in candidates]
+        switch = self.switch + self.switch_per_request * num_decoding
+        ks = allocate(rates, limits, self.overhead, num_decoding, switch, self.round_cost)
+        if any(ks) or self.num_steps % PROBE_STEP == 0:
+            due = [state.acceptance.probe_due for _, state in candidates]
+            ks = [limit if not k and probe else k for k, limit, probe in zip(ks, limits, due)]
+        return ks
 
     def _state_for(self, request: Request) -> SpecState | bool:
         """A request's state, or False when it does not speculate (checked once per request)."""
