@@ -531,7 +531,7 @@ def test_random_speculative_steps_accept_reject_and_roll_back(seed: int) -> None
     """Speculative steps among the others: proposals accepted and rejected, rolled back by trim,
     requests preempted mid-speculation; every check of the machine holds after every operation."""
     sim = random_run(prefix_caching=True, seed=seed, speculate=True)
-    assert sim.num_accepted > 20 and sim.num_proposed - sim.num_accepted > 20
+    assert sim.num_accepted > 10 and sim.num_proposed - sim.num_accepted > 10
     assert sim.num_trimmed > 0, "no rejected proposal ever left a block to give back"
     assert sim.scheduler.num_preemptions > 0 and sim.kv.num_cached_tokens > 0
     assert sim.allocator.num_used_blocks == 0

@@ -209,6 +209,12 @@ def test_allocate_counts_a_draft_models_rounds():
     assert allocate([(0.3, 0.5)], [4], overhead=18.0, num_decoding=1, round_cost=5.0) == [0]
     assert allocate([(0.3, 0.5)], [4], overhead=18.0, num_decoding=1) != [0]
     assert allocate([(0.9, 0.9)], [4], overhead=18.0, num_decoding=1, round_cost=5.0) == [4]
+    alone = allocate([(0.8, 0.8)], [4], overhead=18.0, num_decoding=16, round_cost=10.0)
+    shared = allocate([(0.8, 0.8)] * 16, [4] * 16, overhead=18.0, num_decoding=16, round_cost=10.0)
+    assert alone == [0] and min(shared) > 0
+    # fewer rounds pay better than the slots' own choice: the deep slots are cut
+    cut = allocate([(0.9, 0.6)] * 4, [6] * 4, overhead=18.0, num_decoding=4, round_cost=6.0)
+    assert 0 < max(cut) < max(allocate([(0.9, 0.6)] * 4, [6] * 4, overhead=18.0, num_decoding=4))
 
 
 def test_allocate_pays_the_switch_to_a_verify_step_only_when_it_earns_it():

@@ -14,17 +14,22 @@ wrong from its first token, but once its first token is right the rest tends to 
 bundled model's own greedy text, ``f`` 0.35 and ``c`` 0.74). ``Acceptance`` estimates both per
 request from what its verifications accepted, with a decay (it follows the text).
 
-Probes: a request the allocation gives nothing is probed now and then, whatever its estimate says:
-at its first decode step (nothing is known of it yet), then after 8, 16, 32, ... up to 256 steps
-without a verification while its probes keep failing. Probes are gathered into steps that verify
-anyway, or one step in ``PROBE_STEP``, so a big batch pays for a verify step rarely.
+A new request starts from what the engine's requests have accepted so far (``Acceptance.like``),
+so a good draft is trusted at once and a poor one is not tried on every newcomer.
+
+Probes: a request the allocation gives nothing is probed now and then with one proposal, whatever
+its estimate says: as soon as it can (nothing is known of it yet), then after 8, 16, 32, ... up to
+256 steps without a verification while its probes keep failing. Probes are gathered into steps that
+verify anyway, or one step in ``PROBE_STEP``, at most a quarter of the batch at once, so a big
+batch pays for them rarely. A draft model only probes requests it ran for lately (``speculator.py``):
+it would first have to run on every token since.
 
 ``allocate`` gives the step's proposal slots, one at a time, to the request whose next proposal is
 worth the most, while that worth exceeds what the step's tokens earn per unit of cost: adding a
 slot of gain ``g`` and cost ``w`` to a step that emits ``E`` tokens at cost ``T`` pays iff
 ``(E + g) / (T + w) > E / T``, i.e. ``g * T > E * w``; then the whole set must beat the plain step,
-switch included. A slot costs its verify row, and for a draft model that must run one more round
-for it, that round's forward too (``round_cost``). A batch
+switch included. A draft model adds to a slot its own share of the draft's forward
+(``slot_cost``) and to the step one forward of the draft per round (``round_cost``). A batch
 of ``B`` decodes starts at ``E = B``, ``T = overhead + B``: at batch 1 a proposal pays when its
 gain exceeds ``1 / (overhead + 1)``, at a batch far above ``overhead`` only when it is near 1, so a
 big batch stops speculating by itself.
@@ -68,6 +73,12 @@ class Acceptance:
     def probe_due(self) -> bool:
         return self.idle_steps >= self.probe_after
 
+    @classmethod
+    def like(cls, other: Acceptance) -> Acceptance:
+        """A new estimate with ``other``'s rates, weighing as much as the prior."""
+        f, c = other.first, other.continued
+        return cls([f * PRIOR_WEIGHT, (1 - f) * PRIOR_WEIGHT, c * PRIOR_WEIGHT, (1 - c) * PRIOR_WEIGHT])
+
     def gain(self, j: int) -> float:
         """The expected tokens the ``j``-th proposal (from 1) adds."""
         return self.first * self.continued ** (j - 1)
@@ -96,26 +107,33 @@ def allocate(
     num_decoding: int,
     switch: float = 0.0,
     round_cost: float = 0.0,
+    slot_cost: float = 0.0,
 ) -> list[int]:
     """Proposal slots per request, at most ``limits[i]`` for request i of acceptance ``rates[i]``
     (first, continued), in a step of ``num_decoding`` decodes (the speculating requests among
-    them) whose forward costs ``overhead + tokens``, ``switch`` more if it verifies any proposal,
-    and ``round_cost`` more for each round of proposals (a draft model's forwards)."""
+    them) whose forward costs ``overhead + tokens``, ``switch`` more if it verifies any proposal.
+    A draft model adds ``slot_cost`` per proposal and ``round_cost`` per round (one forward of it):
+    the slots are chosen as if rounds were free, then cut to the number of rounds that pays best."""
     plain = num_decoding / (overhead + num_decoding)  # tokens per unit of cost without speculation
-    emitted, cost, rounds = float(num_decoding), overhead + num_decoding + switch, 0
+    emitted, cost = float(num_decoding), overhead + num_decoding + switch
     ks = [0] * len(rates)
+    gains: list[list[float]] = [[] for _ in rates]  # gains[i][j]: what request i's slot j + 1 earns
     heap = [(-first, i) for i, ((first, _), limit) in enumerate(zip(rates, limits)) if limit > 0 and first > 0]
     heapq.heapify(heap)
     while heap:
         gain, i = heapq.heappop(heap)
         gain = -gain
-        extra = 1 + (round_cost if ks[i] == rounds else 0)  # its row, and a new round of the draft
-        if gain * cost <= emitted * extra:  # does not pay; nor will a smaller gain
-            if extra > 1:
-                continue  # a slot of another request within the rounds already paid for may
+        if gain * cost <= emitted * (1 + slot_cost):  # does not pay; nor will a smaller gain
             break
-        emitted, cost, ks[i] = emitted + gain, cost + extra, ks[i] + 1
-        rounds = max(rounds, ks[i])
+        emitted, cost, ks[i] = emitted + gain, cost + 1 + slot_cost, ks[i] + 1
+        gains[i].append(gain)
         if ks[i] < limits[i]:
             heapq.heappush(heap, (-gain * rates[i][1], i))
-    return ks if emitted / cost > plain else [0] * len(rates)
+    best, best_rounds = plain, 0
+    for rounds in range(1, max(ks, default=0) + 1):
+        slots = [min(k, rounds) for k in ks]
+        earned = num_decoding + sum(sum(g[:n]) for g, n in zip(gains, slots))
+        spent = overhead + num_decoding + switch + sum(slots) * (1 + slot_cost) + rounds * round_cost
+        if earned / spent > best:
+            best, best_rounds = earned / spent, rounds
+    return [min(k, best_rounds) for k in ks]

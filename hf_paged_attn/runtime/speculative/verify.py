@@ -131,7 +131,7 @@ def _verify(
             tokens = accept_greedy(draft, scores.argmax(dim=-1).tolist())
     num_accepted = len(tokens) - 1
     if state is not None:
-        state.acceptance.observe(len(draft), num_accepted)
+        state.observe(len(draft), num_accepted)
         state.q = None
     request.draft_ids = []
     counters = updater.counters
