@@ -190,7 +190,7 @@ def test_acceptance_follows_the_text_and_probes_with_a_backoff():
     for _ in range(30):
         a.observe(4, 0)
     assert a.first < 0.1 and abs(a.continued - prior[1]) < 1e-9  # nothing was learned about continuations
-    assert a.probe_after == 256 and not a.probe_due  # failed probes: the next one waits longest
+    assert a.probe_after == a.probe_max == 256 and not a.probe_due  # failed probes: the next one waits longest
     for _ in range(255):
         a.idle()
     assert not a.probe_due

@@ -17,12 +17,14 @@ request from what its verifications accepted, with a decay (it follows the text)
 A new request starts from what the engine's requests have accepted so far (``Acceptance.like``),
 so a good draft is trusted at once and a poor one is not tried on every newcomer.
 
-Probes: a request the allocation gives nothing is probed now and then with one proposal, whatever
-its estimate says: as soon as it can (nothing is known of it yet), then after 8, 16, 32, ... up to
-256 steps without a verification while its probes keep failing. Probes are gathered into steps that
-verify anyway, or one step in ``PROBE_STEP``, at most a quarter of the batch at once, so a big
-batch pays for them rarely. A draft model only probes requests it ran for lately (``speculator.py``):
-it would first have to run on every token since.
+Probes: a request the allocation gives nothing is probed now and then, whatever its estimate
+says: as soon as it can (nothing is known of it yet), then after 8, 16, 32, ... steps without a
+verification while its probes keep failing (up to 32 for prompt lookup, whose proposals cost nothing
+to make and whose hits come in bursts; 256 for a draft model). In a batch of up to
+``PROBE_ANY_BATCH`` a probe proposes what it can, at any step; in a bigger one, one token, in steps
+that verify anyway or one step in ``PROBE_STEP``, for a quarter of the batch at most, so a big batch
+pays for them rarely. A draft model only probes requests it ran for lately (``speculator.py``): it
+would first have to run on every token since.
 
 ``allocate`` gives the step's proposal slots, one at a time, to the request whose next proposal is
 worth the most, while that worth exceeds what the step's tokens earn per unit of cost: adding a
@@ -43,8 +45,9 @@ from dataclasses import dataclass, field
 PRIOR = (0.5, 0.7)  # what a request's first proposals are assumed to earn: (first, continued)
 PRIOR_WEIGHT = 2.0  # in verifications
 DECAY = 0.9  # weight of the past at each verification (about the last 10 count)
-PROBE_FIRST, PROBE_MAX = 8, 256  # steps without verification before a probe, doubled while probes fail
-PROBE_STEP = 16  # probes that no verify step takes along wait for one step in this many
+PROBE_FIRST = 8  # steps without verification before a probe, doubled while probes fail
+PROBE_STEP = 16  # in a big batch, probes that no verify step takes along wait for one step in this many
+PROBE_ANY_BATCH = 4  # in a batch this small, a probe runs at any step and proposes what it can
 
 
 @dataclass(slots=True)
@@ -58,6 +61,7 @@ class Acceptance:
     )  # fmt: skip  # first accepted, first rejected, continued accepted, continued rejected
     idle_steps: int = 0  # decode steps since the last verification
     probe_after: int = 0  # idle steps before a probe: 0 until the first verification
+    probe_max: int = 256  # the longest wait between probes
 
     @property
     def first(self) -> float:
@@ -74,10 +78,11 @@ class Acceptance:
         return self.idle_steps >= self.probe_after
 
     @classmethod
-    def like(cls, other: Acceptance) -> Acceptance:
+    def like(cls, other: Acceptance, probe_max: int = 256) -> Acceptance:
         """A new estimate with ``other``'s rates, weighing as much as the prior."""
         f, c = other.first, other.continued
-        return cls([f * PRIOR_WEIGHT, (1 - f) * PRIOR_WEIGHT, c * PRIOR_WEIGHT, (1 - c) * PRIOR_WEIGHT])
+        counts = [f * PRIOR_WEIGHT, (1 - f) * PRIOR_WEIGHT, c * PRIOR_WEIGHT, (1 - c) * PRIOR_WEIGHT]
+        return cls(counts, probe_max=probe_max)
 
     def gain(self, j: int) -> float:
         """The expected tokens the ``j``-th proposal (from 1) adds."""
@@ -92,7 +97,7 @@ class Acceptance:
             float(1 <= num_accepted < num_proposed),
         )
         self.counts = [DECAY * c + o for c, o in zip(self.counts, outcome)]
-        self.probe_after = PROBE_FIRST if num_accepted else min(max(2 * self.probe_after, PROBE_FIRST), PROBE_MAX)
+        self.probe_after = PROBE_FIRST if num_accepted else min(max(2 * self.probe_after, PROBE_FIRST), self.probe_max)
         self.idle_steps = 0
 
     def idle(self) -> None:

@@ -29,7 +29,7 @@ from ...core.request import Request, Status
 from ...core.scheduler import SchedulerOutput
 from ...kernels.base import AttentionBackend
 from ..sampling import ROW_FREE_PROCESSORS
-from .adaptive import PROBE_STEP, Acceptance, allocate
+from .adaptive import PROBE_ANY_BATCH, PROBE_STEP, Acceptance, allocate
 from .config import METHODS, RequestSpeculation, SpeculativeConfig, request_speculation
 from .draft import DraftProposer
 from .ngram import NgramIndex
@@ -144,16 +144,16 @@ class Speculator:
                 state.acceptance.idle()
 
     def _allocate(self, candidates: list[tuple[Request, SpecState]], limits: list[int], num_decoding: int) -> list[int]:
-        """``adaptive.allocate``'s slots, and one for each request due a probe (those idle longest,
-        a quarter of the batch at most) where the step verifies anyway or it is the step for probes."""
+        """``adaptive.allocate``'s slots, and probes for the requests due one (``adaptive.py``)."""
         rates = [(state.acceptance.first, state.acceptance.continued) for _, state in candidates]
         switch = self.switch + self.switch_per_request * num_decoding
         ks = allocate(rates, limits, self.overhead, num_decoding, switch, self.round_cost, self.slot_cost)
-        if any(ks) or self.num_steps % PROBE_STEP == 0:
+        small = num_decoding <= PROBE_ANY_BATCH
+        if small or any(ks) or self.num_steps % PROBE_STEP == 0:
             due = [i for i, (r, state) in enumerate(candidates) if not ks[i] and self._probe_ok(r, state)]
             due.sort(key=lambda i: -candidates[i][1].acceptance.idle_steps)
             for i in due[: max(1, num_decoding // 4)]:
-                ks[i] = 1
+                ks[i] = limits[i] if small else 1
         return ks
 
     @staticmethod
@@ -185,7 +185,8 @@ class Speculator:
             return False
         ngram = NgramIndex(settings.ngram_size) if settings.method == "ngram" else None
         shared = self.shared[settings.method]
-        return SpecState(settings, acceptance=Acceptance.like(shared), ngram=ngram, shared=shared)
+        acceptance = Acceptance.like(shared, probe_max=32 if ngram is not None else 256)
+        return SpecState(settings, acceptance=acceptance, ngram=ngram, shared=shared)
 
     # ----------------------------------------------------------------------------- after scheduling
     def propose(self, plan: SchedulerOutput) -> list[list[int]] | None:
