@@ -209,8 +209,8 @@ def test_allocate_counts_a_draft_models_rounds():
     assert allocate([(0.3, 0.5)], [4], overhead=18.0, num_decoding=1, round_cost=5.0) == [0]
     assert allocate([(0.3, 0.5)], [4], overhead=18.0, num_decoding=1) != [0]
     assert allocate([(0.9, 0.9)], [4], overhead=18.0, num_decoding=1, round_cost=5.0) == [4]
-    alone = allocate([(0.8, 0.8)], [4], overhead=18.0, num_decoding=16, round_cost=10.0)
-    shared = allocate([(0.8, 0.8)] * 16, [4] * 16, overhead=18.0, num_decoding=16, round_cost=10.0)
+    alone = allocate([(0.95, 0.95)], [4], overhead=18.0, num_decoding=16, round_cost=5.0)
+    shared = allocate([(0.95, 0.95)] * 16, [4] * 16, overhead=18.0, num_decoding=16, round_cost=5.0)
     assert alone == [0] and min(shared) > 0
     # fewer rounds pay better than the slots' own choice: the deep slots are cut
     cut = allocate([(0.9, 0.6)] * 4, [6] * 4, overhead=18.0, num_decoding=4, round_cost=6.0)
@@ -218,10 +218,10 @@ def test_allocate_counts_a_draft_models_rounds():
 
 
 def test_allocate_pays_the_switch_to_a_verify_step_only_when_it_earns_it():
-    # one request of 16 with a middling acceptance: a slot earns 0.6, the switch costs 3 tokens
-    few = [(0.6, 0.0)] + [(0.0, 0.0)] * 15
-    assert allocate(few, [1] * 16, overhead=16.0, num_decoding=16, switch=0.0) == [1] + [0] * 15
-    assert allocate(few, [1] * 16, overhead=16.0, num_decoding=16, switch=3.0) == [0] * 16
+    # two requests of 8 with a good acceptance: two slots earn 1.8 tokens, the switch costs 4
+    few = [(0.9, 0.0)] * 2 + [(0.0, 0.0)] * 6
+    assert allocate(few, [1] * 8, overhead=16.0, num_decoding=8, switch=0.0) == [1, 1] + [0] * 6
+    assert allocate(few, [1] * 8, overhead=16.0, num_decoding=8, switch=4.0) == [0] * 8
     assert allocate([(0.9, 0.9)] * 16, [4] * 16, overhead=16.0, num_decoding=16, switch=3.0)[0] > 0
 
 

@@ -21,16 +21,17 @@ Probes: a request the allocation gives nothing is probed now and then, whatever 
 says: as soon as it can (nothing is known of it yet), then after 8, 16, 32, ... steps without a
 verification while its probes keep failing (up to 32 for prompt lookup, whose proposals cost nothing
 to make and whose hits come in bursts; 256 for a draft model). In a batch of up to
-``PROBE_ANY_BATCH`` a probe proposes what it can, at any step; in a bigger one, one token, in steps
-that verify anyway or one step in ``PROBE_STEP``, for a quarter of the batch at most, so a big batch
-pays for them rarely. A draft model only probes requests it ran for lately (``speculator.py``): it
+``PROBE_ANY_BATCH`` a probe proposes what it can, at any step; in a bigger one only a request's
+first probe runs, one token, in steps that verify anyway or one step in ``PROBE_STEP``, for a quarter
+of the batch at most, so a big batch pays for them rarely (the engine-wide estimate they feed
+decides for the others). A draft model only probes requests it ran for lately (``speculator.py``): it
 would first have to run on every token since.
 
 ``allocate`` gives the step's proposal slots, one at a time, to the request whose next proposal is
 worth the most, while that worth exceeds what the step's tokens earn per unit of cost: adding a
 slot of gain ``g`` and cost ``w`` to a step that emits ``E`` tokens at cost ``T`` pays iff
 ``(E + g) / (T + w) > E / T``, i.e. ``g * T > E * w``; then the whole set must beat the plain step,
-switch included. A draft model adds to a slot its own share of the draft's forward
+switch included, by ``MARGIN``. A draft model adds to a slot its own share of the draft's forward
 (``slot_cost``) and to the step one forward of the draft per round (``round_cost``). A batch
 of ``B`` decodes starts at ``E = B``, ``T = overhead + B``: at batch 1 a proposal pays when its
 gain exceeds ``1 / (overhead + 1)``, at a batch far above ``overhead`` only when it is near 1, so a
@@ -48,6 +49,9 @@ DECAY = 0.9  # weight of the past at each verification (about the last 10 count)
 PROBE_FIRST = 8  # steps without verification before a probe, doubled while probes fail
 PROBE_STEP = 16  # in a big batch, probes that no verify step takes along wait for one step in this many
 PROBE_ANY_BATCH = 4  # in a batch this small, a probe runs at any step and proposes what it can
+# What speculation must earn over plain decoding to be tried: a fixed batch runs in lockstep, so the
+# tokens a few requests gain shorten the batch only at its end, worth less than the model says
+MARGIN = 0.1
 
 
 @dataclass(slots=True)
@@ -134,7 +138,7 @@ def allocate(
         gains[i].append(gain)
         if ks[i] < limits[i]:
             heapq.heappush(heap, (-gain * rates[i][1], i))
-    best, best_rounds = plain, 0
+    best, best_rounds = plain * (1 + MARGIN), 0
     for rounds in range(1, max(ks, default=0) + 1):
         slots = [min(k, rounds) for k in ks]
         earned = num_decoding + sum(sum(g[:n]) for g, n in zip(gains, slots))

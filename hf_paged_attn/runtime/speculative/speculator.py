@@ -150,7 +150,10 @@ class Speculator:
         ks = allocate(rates, limits, self.overhead, num_decoding, switch, self.round_cost, self.slot_cost)
         small = num_decoding <= PROBE_ANY_BATCH
         if small or any(ks) or self.num_steps % PROBE_STEP == 0:
-            due = [i for i, (r, state) in enumerate(candidates) if not ks[i] and self._probe_ok(r, state)]
+            due = [
+                i for i, (r, state) in enumerate(candidates)
+                if not ks[i] and (small or not state.acceptance.probe_after) and self._probe_ok(r, state)
+            ]  # fmt: skip
             due.sort(key=lambda i: -candidates[i][1].acceptance.idle_steps)
             for i in due[: max(1, num_decoding // 4)]:
                 ks[i] = limits[i] if small else 1
