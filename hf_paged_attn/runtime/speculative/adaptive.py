@@ -48,7 +48,7 @@ PRIOR_WEIGHT = 2.0  # in verifications
 DECAY = 0.9  # weight of the past at each verification (about the last 10 count)
 PROBE_FIRST = 8  # steps without verification before a probe, doubled while probes fail
 PROBE_STEP = 16  # in a big batch, probes that no verify step takes along wait for one step in this many
-PROBE_ANY_BATCH = 4  # in a batch this small, a probe runs at any step and proposes what it can
+PROBE_ANY_BATCH = 2  # in a batch this small, a probe runs at any step and proposes what it can
 # What speculation must earn over plain decoding to be tried: a fixed batch runs in lockstep, so the
 # tokens a few requests gain shorten the batch only at its end, worth less than the model says
 MARGIN = 0.1

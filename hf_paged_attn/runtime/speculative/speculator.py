@@ -147,7 +147,11 @@ class Speculator:
         """``adaptive.allocate``'s slots, and probes for the requests due one (``adaptive.py``)."""
         rates = [(state.acceptance.first, state.acceptance.continued) for _, state in candidates]
         switch = self.switch + self.switch_per_request * num_decoding
-        ks = allocate(rates, limits, self.overhead, num_decoding, switch, self.round_cost, self.slot_cost)
+        best = max(first for first, _ in rates)
+        if best * (self.overhead + num_decoding + switch) > num_decoding * (1 + self.slot_cost):
+            ks = allocate(rates, limits, self.overhead, num_decoding, switch, self.round_cost, self.slot_cost)
+        else:  # not even the best first proposal pays (the common case in a big batch)
+            ks = [0] * len(candidates)
         small = num_decoding <= PROBE_ANY_BATCH
         if small or any(ks) or self.num_steps % PROBE_STEP == 0:
             due = [
