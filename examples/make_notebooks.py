@@ -601,10 +601,13 @@ occurrence of its last tokens, and one forward verifies them (greedy: exactly th
 The demo model repeats itself, as documentation does, so some proposals are accepted. A verify step
 costs its extra rows, so the engine picks every request's number of proposals per step from its
 acceptance so far and the batch size: at batch 1 it speculates, in a big batch it stops by itself
-(see the README's *Speculative decoding*; `benchmarks/speculative.py` measures it properly, in
-rounds). 128 new tokens per request, EOS ignored; batch 1 runs 4 prompts one after the other. The
-clock is the process's CPU time, steadier than wall time on a shared machine; still noisy."""),
+(see the README's *Speculative decoding*; `benchmarks/speculative.py` measures it at length).
+128 new tokens per request, EOS ignored; batch 1 runs 4 prompts one after the other. The clock is
+the process's CPU time, steadier than wall time on a shared machine; medians of 5 rounds that
+alternate the two. Still noisy: a few percent either way is noise."""),
     ("code", """\
+import statistics
+
 batch_sizes = [1, 4, 16]
 new_tokens = 128
 speculative = {"plain": {}, "prompt lookup (k=4)": {"prompt_lookup_num_tokens": 4}}
@@ -624,11 +627,14 @@ def run_batch(size, options):
 
 _ = run_batch(1, speculative["prompt lookup (k=4)"])  # warm-up
 for size in batch_sizes:
-    outputs = {}
-    for name, options in speculative.items():
-        seconds, outputs[name] = min((run_batch(size, options) for _ in range(3)), key=lambda r: r[0])
-        rates[name].append(sum(map(len, outputs[name])) / seconds)
+    seconds, outputs = {name: [] for name in speculative}, {}
+    for r in range(5):
+        for name in list(speculative)[:: 1 if r % 2 else -1]:
+            elapsed, outputs[name] = run_batch(size, speculative[name])
+            seconds[name].append(elapsed)
     assert outputs["plain"] == outputs["prompt lookup (k=4)"]  # greedy: the same tokens
+    for name in speculative:
+        rates[name].append(sum(map(len, outputs[name])) / statistics.median(seconds[name]))
     print(f"batch {size:>2}: " + ", ".join(f"{name} {rates[name][-1]:5.0f} tok/s" for name in speculative))
 
 fig, ax = plt.subplots(figsize=(6, 3.5))
