@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow bench lint soak notebooks
+.PHONY: demo test test-slow test-clients bench lint soak notebooks
 
 # OpenMP threads that spin while they wait make a shared or busy CPU up to 30x slower (the demo:
 # 0.6 s or 20 s). Every target runs with OMP_WAIT_POLICY=PASSIVE unless the environment sets it.
@@ -25,6 +25,12 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
+
+# TRL's GRPOTrainer and lm-eval driving the engine (the [clients] extra takes ~1 min to install,
+# so it is not part of `make test`); no downloads: tiny local models, tasks and data.
+test-clients: $(STAMP)
+	$(PY) -m pip install -q -c constraints.txt -e '.[clients]'
+	HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -m clients tests/integration/test_clients.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

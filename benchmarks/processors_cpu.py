@@ -1,5 +1,5 @@
 """Logits processors that read the ids, per step, for 64 rows: per row (the engine today), batched
-(``runtime/processors.py``) and transformers on the padded batch.
+(``runtime/processors/``) and transformers on the padded batch.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/processors_cpu.py [--rows 64] [--steps 32] [--repeats 3] [--threads 1]
 

@@ -651,6 +651,158 @@ ax.legend()
 plt.show()"""),
 ]
 
+NOTEBOOKS["06_structured_outputs"] = [
+    ("md", """\
+# Structured outputs and tool calls
+
+A request can say what its output must look like: a JSON schema, any JSON object, a regular
+expression, one of a list of choices, or a grammar. The engine compiles it (with
+[llguidance](https://github.com/guidance-ai/llguidance), the `[structured]` extra) and, at every
+step, masks the logits of the tokens that would break it, so **every** output matches, whatever the
+model. The bundled demo model knows nothing of JSON or tools; everything valid below is the
+grammar's doing (the *values* are the model's: doc-like nonsense).
+
+This notebook uses the Python API first, then the OpenAI-compatible server through the official
+`openai` client: JSON extracted into a pydantic model, vLLM's `structured_outputs`, and a tool-call
+round trip."""),
+    ("code", load(padding_side="left", engine=True)),
+    ("md", """\
+## 1. In Python: `generate(structured=...)` and `add_request(structured=...)`
+
+`structured` takes a dict with one of `json` (a schema), `json_object`, `regex`, `choice` or
+`grammar` (Lark or GBNF); it needs the `tokenizer`. A request ends with `finish_reason="stop"` as
+soon as its output is a complete match. JSON comes without free whitespace, with `json.dumps`'s
+separators."""),
+    ("code", """\
+import json
+
+schema = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12},
+                   "version": {"type": "integer", "minimum": 1, "maximum": 3}},
+    "required": ["name", "version"],
+    "additionalProperties": False,
+}
+batch = tokenizer(["A Python module, as JSON:", "Another module:"], padding=True, return_tensors="pt")
+out = model.generate(**batch, max_new_tokens=60, tokenizer=tokenizer, structured={"json": schema})
+for row in out[:, batch["input_ids"].shape[1] :]:
+    text = tokenizer.decode(row, skip_special_tokens=True)
+    print(text, "->", json.loads(text))
+
+engine = ContinuousBatchingEngine(model, PagedConfig(seed=0))
+ids = [
+    engine.add_request(tokenizer("Is a tuple mutable?")["input_ids"], max_new_tokens=8, tokenizer=tokenizer,
+                       structured={"choice": ["yes", "no"]}),
+    engine.add_request(tokenizer("A release:")["input_ids"], max_new_tokens=12, tokenizer=tokenizer,
+                       structured={"regex": r"3\\.1[0-4]\\.[0-9]"}),
+    engine.add_request(tokenizer("A free one:")["input_ids"], max_new_tokens=12),  # in the same batch, unconstrained
+]
+for out in engine.collect(ids):
+    text = tokenizer.decode(out.output_ids, skip_special_tokens=True)
+    print(f"{out.request_id}: {text!r} ({out.finish_reason})")"""),
+    ("md", """\
+A schema the library cannot enforce is refused up front with the keyword it lacks, never silently
+ignored:"""),
+    ("code", """\
+try:
+    engine.add_request([1, 2, 3], tokenizer=tokenizer, structured={"json": {"type": "array", "uniqueItems": True}})
+except ValueError as exc:
+    print("ValueError:", exc)"""),
+    ("md", """\
+## 2. Over HTTP: a server on the bundled model
+
+`ServerProcess` starts `hf-paged-attn serve` in a child process on a free port of 127.0.0.1 (the
+same as running `hf-paged-attn serve DEMO_MODEL --chat-template FILE` by hand). The demo model's
+own chat template does not show tools to the model, so this one, in the Hermes / Qwen style, is
+given with `--chat-template`: it lists the tools and writes calls as
+`<tool_call>{"name": ..., "arguments": ...}</tool_call>`, which is also the format the server parses
+(`--tool-call-parser auto` reads it from the template)."""),
+    ("code", """\
+from pathlib import Path
+
+import openai
+from pydantic import BaseModel, Field
+
+import hf_paged_attn_tools
+from hf_paged_attn_tools.launch import ServerProcess
+
+template = Path(hf_paged_attn_tools.__file__).parent / "hermes_tools_template.jinja"
+server = ServerProcess(DEMO_MODEL, ["--served-model-name", "demo", "--chat-template", str(template)]).start()
+client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+print("server ready at", server.url)"""),
+    ("md", """\
+### JSON into a pydantic model
+
+`client.chat.completions.parse(response_format=Model)` sends the model's JSON schema as
+`response_format={"type": "json_schema", ...}` and parses the answer back into the model."""),
+    ("code", """\
+class Module(BaseModel):
+    name: str = Field(max_length=16)
+    stdlib: bool
+    since: int = Field(ge=2, le=3)
+
+
+question = [{"role": "user", "content": "Describe the json module."}]
+completion = client.chat.completions.parse(model="demo", messages=question, response_format=Module, temperature=1)
+print(completion.choices[0].message.content)
+print(repr(completion.choices[0].message.parsed))"""),
+    ("md", """\
+### vLLM's `structured_outputs`
+
+Clients written for vLLM send `structured_outputs` (or the older `guided_json`, `guided_regex`,
+`guided_choice`, `guided_grammar`) in the extra body; both endpoints take them, as they take
+`response_format`. A schema is enforced as written: an object it does not close with
+`"additionalProperties": false` may get properties it does not name, as JSON Schema allows
+(OpenAI's strict schemas, like pydantic's above, close every object)."""),
+    ("code", """\
+for body in ({"structured_outputs": {"choice": ["list", "tuple", "dict"]}},
+             {"structured_outputs": {"regex": r"[a-z]+_[a-z]+\\(\\)"}},
+             {"guided_json": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}}):
+    out = client.completions.create(model="demo", prompt="The answer:", max_tokens=20, extra_body=body)
+    print(f"{list(body.values())[0]} -> {out.choices[0].text!r}")"""),
+    ("md", """\
+## 3. A tool-call round trip
+
+The tools are OpenAI function tools. `tool_choice="required"` (or a named function) makes the
+output a call, enforced by a grammar over the tools' parameter schemas; with `"auto"` (the
+default when tools are given) the server parses calls out of whatever the model writes. The call
+comes back as `message.tool_calls` with `finish_reason="tool_calls"`; we run the function here,
+send its result back as a `tool` message, and the model answers in text."""),
+    ("code", """\
+def word_count(text: str) -> int:
+    return len(text.split())
+
+
+tools = [{"type": "function", "function": {
+    "name": "word_count", "description": "Count the words of a text",
+    "parameters": {"type": "object", "properties": {"text": {"type": "string", "maxLength": 40}},
+                   "required": ["text"], "additionalProperties": False}}}]
+messages = [{"role": "user", "content": "How many words are in 'the zen of python'?"}]
+first = client.chat.completions.create(model="demo", messages=messages, tools=tools, tool_choice="required",
+                                       parallel_tool_calls=False, temperature=1, seed=1)
+call = first.choices[0].message.tool_calls[0]
+print(first.choices[0].finish_reason, call.function.name, call.function.arguments)
+
+result = word_count(**json.loads(call.function.arguments))
+messages += [first.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": str(result)}]
+second = client.chat.completions.create(model="demo", messages=messages, tools=tools, max_tokens=24)
+print(second.choices[0].finish_reason, repr(second.choices[0].message.content))"""),
+    ("md", """\
+Streamed, a call arrives as OpenAI streams it: a first delta with the call's `id`, `type` and
+`function.name`, then fragments of `function.arguments`, each with the call's `index`."""),
+    ("code", """\
+stream = client.chat.completions.create(model="demo", messages=messages[:1], tools=tools, stream=True,
+                                        tool_choice={"type": "function", "function": {"name": "word_count"}})
+for chunk in stream:
+    choice = chunk.choices[0]
+    for delta in choice.delta.tool_calls or []:
+        print(f"index {delta.index}: id={delta.id} name={delta.function.name} arguments={delta.function.arguments!r}")
+    if choice.finish_reason:
+        print("finish_reason:", choice.finish_reason)"""),
+    ("code", """\
+print("server exit status:", server.stop())"""),
+]
+
 METADATA = {
     "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
     "language_info": {"name": "python"},

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The GPU check: kernel parity, greedy parity of a tiny Llama (also with half its layers on the CPU),
-# decode bandwidth, an end-to-end run of a 0.5B Qwen2-shaped model (scripts/gpu_check.py).
-# About 5 minutes on one H100/H200 before the graphs and e2e checks (their time is not yet measured;
-# GPU_CHECK_TIMEOUT, default 540 s, bounds the whole run), no network. Prints one [PASS|FAIL|SKIPPED] line per check; on a
-# machine without CUDA every check is SKIPPED and it exits 0. Extra arguments go to gpu_check.py
-# (e.g. --only kernels/triton).
+# The GPU check (scripts/gpu_check/, one module per check): kernel parity, greedy parity of a tiny
+# Llama (also under CUDA graphs and with half its layers on the CPU), decode bandwidth, an
+# end-to-end run of a 0.5B Qwen2-shaped model, throughput. About 5 minutes on one H100/H200 before
+# the graphs and e2e checks (their time is not yet measured; GPU_CHECK_TIMEOUT, default 540 s, bounds
+# the whole run; each check also has its own budget, GPU_CHECK_BUDGET_SCALE scales them), no network.
+# Prints one [PASS|FAIL|SKIPPED] line per check; on a machine without CUDA every check is SKIPPED and
+# it exits 0. Extra arguments go to the checks (e.g. --only kernels/triton, --json results.json;
+# without a GPU: --list, --dry-run, --device cpu).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -18,9 +20,10 @@ else
     py=python3
 fi
 
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the package from this checkout, installed or not
+# The package from this checkout, installed or not, and scripts/ for the gpu_check package itself
+export PYTHONPATH="$PWD:$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1  # the tiny model is built locally: never reach a hub
-# SIGTERM at the limit makes gpu_check.py report what was running and what never started; -k
-# kills it 15 s later if it is stuck inside a CUDA call.
-exec timeout -k 15 "${GPU_CHECK_TIMEOUT:-540}" "$py" scripts/gpu_check.py "$@"
+# SIGTERM at the limit makes the checks report what was running and what never started; -k kills
+# them 15 s later if they are stuck inside a CUDA call.
+exec timeout -k 15 "${GPU_CHECK_TIMEOUT:-540}" "$py" -m gpu_check "$@"

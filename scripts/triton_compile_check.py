@@ -1,4 +1,5 @@
-"""Compile the Triton backend's kernels for an H100/H200 (sm_90) on a machine without a GPU.
+"""Compile the Triton backend's kernels (``hf_paged_attn/kernels/triton_ops.py``) for an H100/H200 (sm_90)
+on a machine without a GPU.
 
 The interpreter (TRITON_INTERPRET=1) runs kernels that real Triton rejects (tl.dot shapes, dtype
 mixes) and says nothing of registers. This script compiles each kernel the way its host wrapper
@@ -84,9 +85,9 @@ def main() -> int:
     try:
         driver.set_active(_Driver())
         JITFunction.__getitem__ = _compile_instead_of_launch
-        from hf_paged_attn.kernels import triton_ops as tb
+        from hf_paged_attn.kernels import triton_ops as ops
 
-        tb._num_sms = lambda device: 132  # an H100/H200's split-K choices
+        ops._num_sms = lambda device: 132  # an H100/H200's split-K choices
     except Exception as exc:
         print(f"cannot set up the stand-in driver: {type(exc).__name__}: {exc}")
         return 2
@@ -97,7 +98,7 @@ def main() -> int:
         new = torch.zeros(batch, 1, kv_heads, dim, dtype=dtype)
         table = torch.zeros(batch, ctx // block_size, dtype=torch.int32)
         lens = torch.zeros(batch, dtype=torch.int32)
-        tb.paged_decode_attention(q, pages, pages, new, new, lens, table, softmax_scale=0.1, **options)
+        ops.paged_decode_attention(q, pages, pages, new, new, lens, table, softmax_scale=0.1, **options)
 
     def prefill(dtype, tokens, heads, kv_heads, dim, block_size, **options):
         q = torch.zeros(tokens, heads, dim, dtype=dtype)
@@ -105,9 +106,9 @@ def main() -> int:
         cu = torch.tensor([0, tokens // 2, tokens], dtype=torch.int32)
         used = torch.full((2,), tokens, dtype=torch.int32)
         table = torch.zeros(2, 16, dtype=torch.int32)
-        tb.paged_prefill_attention(q, pages, pages, cu, used, table, tokens // 2, softmax_scale=0.1, **options)
+        ops.paged_prefill_attention(q, pages, pages, cu, used, table, tokens // 2, softmax_scale=0.1, **options)
         new = torch.zeros(tokens, kv_heads, dim, dtype=dtype)
-        tb.write_kv(new, new, pages, pages, torch.zeros(tokens, dtype=torch.int64))
+        ops.write_kv(new, new, pages, pages, torch.zeros(tokens, dtype=torch.int64))
 
     dtypes = [torch.bfloat16] if args.quick else [torch.bfloat16, torch.float16, torch.float32]
     shapes = [(32, 8, 128)] if args.quick else [(32, 8, 128), (14, 2, 64), (8, 1, 256), (32, 32, 128)]

@@ -36,6 +36,7 @@ def test_notebooks_found():
         "03_sampling.ipynb",
         "04_prefix_caching.ipynb",
         "05_benchmark.ipynb",
+        "06_structured_outputs.ipynb",
     ]
 
 

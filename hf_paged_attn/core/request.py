@@ -79,6 +79,7 @@ class Request:
     logits: list[Any] | None = None
     logprobs: list[TokenLogprob] | None = None
     group: Any = None  # beam.BeamGroup of a beam-search request and of its beams (preempted together)
+    matcher: Any = None  # runtime.structured.Matcher of a constrained request (its grammar's state)
     score: float | None = None
     beam_indices: list[int] | None = None
     # Speculative decoding (runtime/speculative): tokens proposed after the last known one, fed with
@@ -164,11 +165,13 @@ class Request:
             request_id=f"{self.request_id}#{index}",
             prompt_ids=self.prompt_ids,
             max_new_tokens=self.max_new_tokens,
-            sampling=self.sampling,
+            # sampling.SamplingParams.for_sequence: a seeded sequence gets its own generator
+            sampling=self.sampling.for_sequence(index) if self.sampling is not None else None,
             arrival=self.arrival,
             priority=self.priority,
             parent_id=self.request_id,
             index=index,
+            matcher=self.matcher.clone() if self.matcher is not None else None,  # its own grammar state
         )
 
 

@@ -1,5 +1,10 @@
 """``model.generate`` on a "paged" model: a padded batch in, the same tensor (or
 ``GenerateDecoderOnlyOutput``) that transformers' ``generate`` returns, continuous batching inside.
+
+A call that carries the caller's ``logits_processor`` or ``stopping_criteria`` runs its rows in
+lockstep (``runtime/lockstep.py``): those run once per step on the whole ``[batch, len]`` ids, as in
+``generate``. Every other call samples each row as it comes, the built-in processors batched per
+stack of rows (``runtime/processors/``).
 """
 
 from __future__ import annotations
@@ -15,11 +20,13 @@ from ..core.request import RequestOutput
 from ..parallel.tensor_parallel import is_driver, on_driver
 from ..runtime.config import PagedConfig
 from ..runtime.engine import ContinuousBatchingEngine
+from ..runtime.lockstep import Lockstep
 from ..runtime.memory import blocks_for_batch
 from ..runtime.placement import input_device, layer_kinds
-from ..runtime.sampling import RUN_ANYWAY
+from ..runtime.sampling import RUN_ANYWAY, make_stopping_criteria
 from ..runtime.speculative.config import with_draft
 from ..runtime.speculative.draft import paged_attention
+from .modes import generation_mode
 
 _REFUSED = {  # generate() arguments with no meaning here, refused by name rather than ignored
     "prefix_allowed_tokens_fn": "prefix_allowed_tokens_fn",
@@ -40,6 +47,7 @@ def paged_generate(
     streamer=None,
     paged_config: PagedConfig | None = None,
     tokenizer=None,
+    structured=None,
     **kwargs,
 ) -> torch.Tensor | GenerateDecoderOnlyOutput:
     """Continuous-batching ``generate``: rows of the padded batch become requests. ``assistant_model``
@@ -101,9 +109,19 @@ def paged_generate(
     layers = layer_kinds(model, paged_config.hybrid_kv)  # the engine's groups
     exact_fit = blocks_for_batch(lengths, max_new_tokens, paged_config, layers.groups, max(num_sequences, num_beams))
     exact_fit = -(-exact_fit // layers.pool_blocks(1))  # in blocks of every layer, as PagedConfig.num_blocks
+    lockstep = None
+    if (logits_processor or stopping_criteria) and num_beams == 1:
+        if structured is not None:
+            raise NotImplementedError(
+                "structured= together with a caller's logits_processor or stopping_criteria is not supported"
+            )
+        lockstep = _lockstep(model, config, input_ids, attention_mask, max_new_tokens, logits_processor,
+                             stopping_criteria, tokenizer)  # fmt: skip
+        paged_config = _lockstep_config(paged_config, input_ids.shape[0] * num_sequences, exact_fit)
+        logits_processor = stopping_criteria = None  # the batch runs them
     # ``config`` is the engine's own (below): already prepared, so add_request does not prepare it again per prompt
-    common = dict(max_new_tokens=max_new_tokens, logits_processor=logits_processor,
-                  stopping_criteria=stopping_criteria, tokenizer=tokenizer)  # fmt: skip
+    common = dict(max_new_tokens=max_new_tokens, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+                  tokenizer=tokenizer, structured=structured, lockstep=lockstep)  # fmt: skip
 
     def on_output(out: RequestOutput) -> None:
         if out.finish_reason == "error":
@@ -114,12 +132,16 @@ def paged_generate(
     def run() -> list[RequestOutput]:
         engine = ContinuousBatchingEngine(model, paged_config, config, num_blocks=paged_config.num_blocks or exact_fit)
         ids = engine.add_all([dict(input_ids=p, padding=pad, **common) for p, pad in zip(prompts, paddings)])
+        if lockstep is not None:
+            live = engine.intake.live
+            lockstep.bind([[live[rid], *live[rid].children] for rid in ids])
         if streamer is not None:
             streamer.put(input_ids.cpu())
         return engine.collect(ids, on_output=on_output)
 
     # Tensor-parallel model: rank 0 runs the engine, the other ranks its forwards; all get the outputs.
-    with paged_attention(assistant) if assistant is not None else contextlib.nullcontext():
+    draft_attention = paged_attention(assistant) if assistant is not None else contextlib.nullcontext()
+    with generation_mode(model), draft_attention:
         ordered = on_driver(model, run)
     if streamer is not None:
         if not is_driver(model):  # the other ranks' streamers get the prompt and the output at the end
@@ -127,6 +149,52 @@ def paged_generate(
             streamer.put(torch.tensor(ordered[0].output_ids))
         streamer.end()
     return _pack(model, config, input_ids.repeat_interleave(num_sequences, dim=0), ordered)
+
+
+def _lockstep(
+    model: torch.nn.Module,
+    config: GenerationConfig,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    max_new_tokens: int,
+    logits_processor: LogitsProcessorList | None,
+    stopping_criteria: StoppingCriteriaList | None,
+    tokenizer: object | None,
+) -> Lockstep:
+    """The batch a caller's processors and criteria see, built as ``generate`` builds them: the
+    input expanded by ``num_return_sequences``, the processor list for that batch (its attention
+    mask sets the repetition penalty's padding), the criteria beyond EOS and length."""
+    n = int(config.num_return_sequences or 1)
+    batch = input_ids.repeat_interleave(n, dim=0)  # [batch * n, width]
+    mask = attention_mask.repeat_interleave(n, dim=0) if attention_mask is not None else torch.ones_like(batch)
+    device = input_device(model)
+    processors = hf.logits_processors(
+        model, config, batch.shape[1], logits_processor, device, {"attention_mask": mask.to(device)}
+    )
+    eos, pad = hf.eos_token_tensor(config), hf.pad_token_tensor(config)
+    return Lockstep(
+        batch,
+        max_new_tokens,
+        processors,
+        make_stopping_criteria(config, stopping_criteria, tokenizer),
+        pad_token_id=int(pad) if eos is not None and pad is not None else None,
+        eos_token_ids=frozenset(eos.flatten().tolist()) if eos is not None else frozenset(),
+        do_sample=bool(config.do_sample),
+        output_scores=bool(config.return_dict_in_generate and config.output_scores),
+        output_logits=bool(config.return_dict_in_generate and config.output_logits),
+    )
+
+
+def _lockstep_config(paged_config: PagedConfig, num_rows: int, exact_fit: int) -> PagedConfig:
+    """Rows in lockstep wait for each other: they must all run at once (no row may wait for a slot
+    or blocks that a waiting row holds), so the cache holds the whole batch at its peak."""
+    if paged_config.num_blocks is not None and paged_config.num_blocks < exact_fit:
+        raise ValueError(
+            f"PagedConfig.num_blocks={paged_config.num_blocks} is too small for this call: its caller's processors or "
+            f"stopping criteria see the whole batch at every step, so all {num_rows} rows run at once and need "
+            f"{exact_fit} blocks (leave num_blocks=None to size the cache for the batch)"
+        )
+    return paged_config.replace(max_num_seqs=max(paged_config.max_num_seqs, num_rows))
 
 
 def _unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[list[list[int]], list[list[int]]]:

@@ -1,9 +1,11 @@
 """Registration: the one module that patches anything.
 
 ``register()`` adds ``"paged"`` to transformers' attention and mask interfaces, routes ``generate``
-of models whose attention is ``"paged"`` to the continuous-batching engine (every other model keeps
-transformers' own ``generate`` untouched), and gives the runtime the tensor-parallel launcher for
-models sharded over ranks.
+and transformers' continuous-batching API (``generate_batch``, ``init_continuous_batching``,
+``continuous_batching_context_manager``, ``destroy_cached_continuous_batching_manager``) of models
+whose attention is ``"paged"`` to the continuous-batching engine (every other model keeps
+transformers' own methods untouched), and gives the runtime the tensor-parallel launcher for models
+sharded over ranks.
 """
 
 from __future__ import annotations
@@ -40,19 +42,40 @@ def register() -> str:
     AttentionMaskInterface.register(NAME, paged_mask)
     if tensor_parallel_launcher not in LAUNCHERS:
         LAUNCHERS.append(tensor_parallel_launcher)
-    if not getattr(GenerationMixin.generate, "_hf_paged_attn", False):
-        GenerationMixin.generate = _routed(GenerationMixin.generate)
+    for name, target in ROUTES.items():
+        original = getattr(GenerationMixin, name, None)
+        if original is not None and not getattr(original, "_hf_paged_attn", False):
+            setattr(GenerationMixin, name, _routed(original, target))
     return NAME
 
 
-def _routed(original):
-    @functools.wraps(original)
-    def generate(self, *args, **kwargs):
-        if hf.attn_implementation(self) == NAME:
-            from .generate import paged_generate
+# GenerationMixin's methods that a "paged" model runs on our engine, and our function for each
+ROUTES = {
+    "generate": "paged_generate",
+    "generate_batch": "paged_generate_batch",
+    "init_continuous_batching": "paged_init_continuous_batching",
+    "continuous_batching_context_manager": "paged_continuous_batching_context_manager",
+    "destroy_cached_continuous_batching_manager": "paged_destroy_cached_manager",
+}
 
-            return paged_generate(self, *args, **kwargs)
+
+def _ours(name: str):
+    """Our function ``name`` (imported at the first call: importing hf_paged_attn stays light)."""
+    if name == "paged_generate":
+        from .generate import paged_generate
+
+        return paged_generate
+    from . import generate_batch
+
+    return getattr(generate_batch, name)
+
+
+def _routed(original, target: str):
+    @functools.wraps(original)
+    def method(self, *args, **kwargs):
+        if hf.attn_implementation(self) == NAME:
+            return _ours(target)(self, *args, **kwargs)
         return original(self, *args, **kwargs)
 
-    generate._hf_paged_attn = True
-    return generate
+    method._hf_paged_attn = True
+    return method

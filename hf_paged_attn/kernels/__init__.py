@@ -5,7 +5,7 @@ entry points named and shaped like flash-attn's, capabilities as class attribute
 | --- | --- | --- |
 | ``flash`` | ``flash_backend`` | CUDA with flash-attn 2, fp16/bf16, pages of 256k tokens, no sinks |
 | ``triton`` | ``triton_backend`` (kernels in ``triton_ops``) | CUDA GPUs of compute capability 8.0+ |
-| ``torch`` | ``torch_backend/`` (native CPU decode in ``cpu_native`` / ``cpu_decode.c``) | everywhere |
+| ``torch`` | ``torch_backend/`` (native CPU kernels in ``cpu_native`` / ``cpu_attention*.c``) | everywhere |
 
 ``reference.py`` is the float64 reference every backend is tested against. The registry below is
 the one place that lists the backends in ``kernel="auto"``'s order of preference; ``PagedConfig``

@@ -1,13 +1,23 @@
-"""The native CPU decode kernel (``cpu_decode.c``): built on first use, called through ctypes.
+"""The native CPU attention kernels (``cpu_attention.c``): built on first use, called through ctypes.
 
-The torch backend's decode calls ``paged_decode`` first on the CPU; it returns None whenever the
-kernel cannot take the call (no C compiler, a dtype other than float32/bfloat16, a layout it does not
-read, ``HF_PAGED_ATTN_NATIVE=0`` in the environment), and the backend then gathers pages as before.
+Two entry points with the torch backend's semantics, each returning None whenever the kernel cannot take
+the call (no C compiler, a dtype other than float32/bfloat16, a layout it does not read, a head dim above
+512, ``HF_PAGED_ATTN_NATIVE=0`` in the environment), and the backend then uses its torch ops:
 
-The library is compiled once per source, compiler and CPU with the system compiler (``$CC``, else
-``cc``), at ``-O3 -march=native`` (the dot products vectorise for the machine it runs on), and cached
-in ``$HF_PAGED_ATTN_CACHE`` (default ``~/.cache/hf_paged_attn``). It needs no Python or torch headers,
-so a build takes well under a second.
+* ``paged_decode``: one query per request, the new token appended in place; requests that share leading
+  physical blocks (prefix caching, ``num_return_sequences`` forks) read those blocks once per group
+  (``shared_prefix=True``, the default).
+* ``paged_prefill``: packed queries against each request's keys in the pages, flash-attention style.
+
+The instruction set is chosen per call from the CPU: AVX-512 BF16 pair dot products for bfloat16 where the
+CPU has them, AVX-512 (fp32 arithmetic) where it has those, else portable C that the compiler vectorises
+for the machine (AVX2 included). ``isa=`` or ``HF_PAGED_ATTN_NATIVE_ISA`` (``portable``, ``avx512``,
+``avx512bf16``) caps it, for tests and comparisons; a cap above what the CPU has means the best it has.
+
+The library is compiled once per source, compiler and CPU with the system compiler (``$CC``, else ``cc``)
+at ``-O3 -march=native`` and cached in ``$HF_PAGED_ATTN_CACHE`` (default ``~/.cache/hf_paged_attn``); a
+compiler without the AVX-512 intrinsics gets the portable kernels only. It needs no Python or torch
+headers, so a build takes a second or two.
 """
 
 from __future__ import annotations
@@ -21,37 +31,38 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_decode.c")
+SOURCE = Path(__file__).with_name("cpu_attention.c")
+SOURCES = (SOURCE, SOURCE.with_name("cpu_attention_avx512.c"))  # the first includes the second
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11")
+PORTABLE_ONLY = "-DHF_PAGED_ATTN_PORTABLE_ONLY"  # the retry when the compiler lacks the x86 intrinsics
+ISAS = {"best": 0, "portable": 1, "avx512": 2, "avx512bf16": 3}  # Args.isa
+MAX_HEAD_DIM = 512
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-# Multiply-adds of one call above which its (request, kv head) tasks are split over torch's
-# threads: starting a thread costs tens of microseconds, a small decode step takes about as much.
-# The bundled model's decode at 64 requests (~2M) ran 1.5 -> 1.34 s end to end with 2 threads on
-# an idle 2-core machine (on a loaded one, threads that wait to be scheduled cost more than that).
-_THREADED_WORK = 1 << 19
+# Multiply-adds of one call above which its tasks go to the kernel's thread pool (torch's thread count):
+# waking a sleeping worker costs ~10-50 us, which a small call does not repay. On the shared 2-core machine
+# of benchmarks/README.md a second thread cost ~10% at 1M (~0.1 ms calls) and broke even at 4M.
+_THREADED_WORK = 1 << 21
 
 
 class _Args(ctypes.Structure):
-    """``DecodeArgs`` in cpu_decode.c, field for field."""
+    """``Args`` in cpu_attention.c, field for field."""
 
     _fields_ = [
         *((name, ctypes.c_void_p) for name in ("q", "out", "k_cache", "v_cache", "k_new", "v_new")),
-        ("seqlens", ctypes.c_void_p),
-        ("table", ctypes.c_void_p),
-        ("sinks", ctypes.c_void_p),
+        *((name, ctypes.c_void_p) for name in ("seqlens", "cu_q", "table", "sinks")),
         *((name, ctypes.c_int64) for name in ("batch", "heads", "kv_heads", "dim", "block_size", "width")),
         ("num_blocks", ctypes.c_int64),
-        *((name, ctypes.c_int64) for name in ("q_sb", "q_sh", "new_sb", "new_sh", "window_left")),
+        *((name, ctypes.c_int64) for name in ("q_s0", "q_s1", "o_s0", "o_s1", "new_sb", "new_sh", "window_left")),
         ("scale", ctypes.c_float),
         ("softcap", ctypes.c_float),
-        ("dtype", ctypes.c_int32),
-        ("num_threads", ctypes.c_int32),
+        *((name, ctypes.c_int32) for name in ("dtype", "num_threads", "isa", "causal", "cascade", "num_groups")),
     ]
 
 
@@ -78,35 +89,43 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
-def build(compiler: str | None = None, directory: Path | None = None) -> Path:
-    """Compile the kernel (or find it already compiled); returns the library's path. Raises
-    RuntimeError with the compiler's message when it cannot be built."""
+def build(
+    compiler: str | None = None,
+    directory: Path | None = None,
+    sources: Sequence[Path] = SOURCES,
+    name: str = "cpu_attention",
+) -> Path:
+    """Compile ``sources[0]`` (which includes the others) or find it already compiled; returns the library's
+    path. Raises RuntimeError with the compiler's message when it cannot be built."""
     compiler = compiler or os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler {compiler!r} on PATH (set CC to one)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    texts = [Path(s).read_text() for s in sources]
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), compiler, version, *FLAGS, _cpu_model(), platform.machine()]).encode()
+        "\0".join([*texts, compiler, version, *FLAGS, _cpu_model(), platform.machine()]).encode()
     ).hexdigest()[:16]
     directory = directory or cache_dir()
-    target = directory / f"cpu_decode-{key}.so"
+    target = directory / f"{name}-{key}.so"
     if target.exists():
         return target
     directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory) as tmp:  # then renamed: another process may race
         built = Path(tmp) / target.name
-        done = subprocess.run(
-            [compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm", "-lpthread"],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
-        if done.returncode != 0:
-            raise RuntimeError(f"{compiler} could not build {SOURCE.name}: {done.stderr.strip()[-2000:]}")
+        command = [compiler, *FLAGS, "-o", str(built), str(sources[0]), "-lm", "-lpthread"]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:  # e.g. a compiler without the AVX-512 BF16 intrinsics
+            retry = subprocess.run([*command[:1], PORTABLE_ONLY, *command[1:]], capture_output=True, text=True,
+                                   timeout=120)  # fmt: skip
+            if retry.returncode != 0:
+                raise RuntimeError(f"{compiler} could not build {Path(sources[0]).name}: {done.stderr.strip()[-2000:]}")
+            logger.info("hf_paged_attn: the native CPU kernels were built without AVX-512: %s", done.stderr[-500:])
         os.replace(built, target)
     return target
 
 
 def library() -> ctypes.CDLL | None:
-    """The loaded kernel, built on first use; None (logged once) if it cannot be built or is disabled."""
+    """The loaded kernels, built on first use; None (logged once) if they cannot be built or are disabled."""
     global _library, _failed
     if _library is not None or _failed or not enabled():
         return _library if enabled() else None
@@ -116,15 +135,52 @@ def library() -> ctypes.CDLL | None:
                 lib = ctypes.CDLL(str(build()))
                 lib.paged_decode.argtypes = [ctypes.POINTER(_Args)]
                 lib.paged_decode.restype = ctypes.c_int
+                lib.paged_prefill.argtypes = [ctypes.POINTER(_Args), ctypes.c_int64]
+                lib.paged_prefill.restype = ctypes.c_int
+                lib.attention_best_isa.argtypes = []
+                lib.attention_best_isa.restype = ctypes.c_int
                 _library = lib
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 _failed = True
-                logger.warning("hf_paged_attn: the native CPU decode kernel is unavailable, using torch ops: %s", exc)
+                logger.warning("hf_paged_attn: the native CPU attention kernels are unavailable (torch ops): %s", exc)
     return _library
+
+
+def best_isa() -> str | None:
+    """The instruction set the kernels use on this CPU (a key of ``ISAS``), or None without the library."""
+    lib = library()
+    if lib is None:
+        return None
+    best = lib.attention_best_isa()
+    return next(name for name, value in ISAS.items() if value == best)
+
+
+def _isa(isa: str | None) -> int:
+    name = isa or os.environ.get("HF_PAGED_ATTN_NATIVE_ISA") or "best"
+    if name not in ISAS:
+        raise ValueError(f"isa must be one of {sorted(ISAS)}, got {name!r}")
+    return ISAS[name]
 
 
 def _pointer(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+def _readable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *index: torch.Tensor) -> bool:
+    """Whether the C code reads these tensors as they are (else the caller falls back to torch ops). Plain
+    ``and`` chains, no generators: this runs at every layer of every step."""
+    ok = (
+        k_cache.dtype == q.dtype
+        and v_cache.dtype == q.dtype
+        and q.stride(-1) == 1
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and q.shape[-1] <= MAX_HEAD_DIM
+        and q.shape[-2] % k_cache.shape[2] == 0
+    )
+    for t in index:
+        ok = ok and t.dtype == torch.int32 and t.is_contiguous()
+    return ok
 
 
 def paged_decode(
@@ -140,10 +196,17 @@ def paged_decode(
     softcap: float,
     sinks: torch.Tensor | None,
     max_len: int,
+    *,
+    shared_prefix: bool = True,
+    isa: str | None = None,
+    info: dict | None = None,
 ) -> torch.Tensor | None:
-    """``paged_decode_attention`` (torch backend semantics, ``causal=True``) in native code, or None
-    when it cannot take this call. ``max_len``: the longest request's tokens, appended one included
-    (sizes the threading). q [B, 1, H, D] -> [B, 1, H, D]."""
+    """``paged_decode_attention`` (torch backend semantics, ``causal=True``) in native code, or None when it
+    cannot take this call. q [B, 1, H, D] -> [B, 1, H, D]; k, v [B, 1, H_kv, D] appended at ``cache_seqlens``
+    (or None: ``cache_seqlens`` keys are attended); ``max_len``: the longest request's tokens, appended one
+    included (sizes the threading). ``shared_prefix``: requests whose leading blocks are the same physical
+    blocks read them once per group (no effect with a window). ``isa``: cap on the instruction set (``ISAS``).
+    ``info``: if given, ``info["groups"]`` is set to the number of shared-prefix groups formed."""
     dtype = _DTYPES.get(q.dtype)
     if dtype is None or q.device.type != "cpu" or (lib := library()) is None:
         return None
@@ -155,26 +218,21 @@ def paged_decode(
     if (
         k_cache.shape != v_cache.shape
         or k_cache.shape[3] != d
-        or tuple(cache_seqlens.shape) != (b,)
+        or cache_seqlens.shape != (b,)
         or block_table.dim() != 2
         or block_table.shape[0] != b
-        or any(tuple(t.shape) != (b, hk, d) for t in new)
+        or (appended and (new[0].shape != (b, hk, d) or new[1].shape != (b, hk, d)))
     ):
         raise ValueError(
             f"paged decode: shapes do not agree: q {tuple(q.shape)}, pages {tuple(k_cache.shape)} / "
             f"{tuple(v_cache.shape)}, cache_seqlens {tuple(cache_seqlens.shape)}, block_table "
             f"{tuple(block_table.shape)}, new K/V {[tuple(t.shape) for t in new]}"
         )
-    if (
-        any(t.dtype != q.dtype or t.stride(-1) != 1 for t in (k_cache, v_cache, *new))
-        or q.stride(-1) != 1
-        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
-        or (appended and new[0].stride() != new[1].stride())
-        or h % hk
-        or cache_seqlens.dtype != torch.int32
-        or block_table.dtype != torch.int32
-        or not (cache_seqlens.is_contiguous() and block_table.is_contiguous())
-    ):
+    if not _readable(q, k_cache, v_cache, cache_seqlens, block_table) or (
+        appended
+        and (new[0].dtype != q.dtype or new[1].dtype != q.dtype or new[0].stride(-1) != 1
+             or new[0].stride() != new[1].stride())
+    ):  # fmt: skip
         return None
     sinks = sinks.float().contiguous() if sinks is not None else None
     out = torch.empty(b, 1, h, d, dtype=q.dtype)
@@ -182,14 +240,74 @@ def paged_decode(
     args = _Args(
         q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         _pointer(new[0] if new else None), _pointer(new[1] if new else None),
-        cache_seqlens.data_ptr(), block_table.data_ptr(), _pointer(sinks),
+        cache_seqlens.data_ptr(), None, block_table.data_ptr(), _pointer(sinks),
         b, h, hk, d, k_cache.shape[1], block_table.shape[1], k_cache.shape[0],
-        q.stride(0), q.stride(2), new[0].stride(0) if new else 0, new[0].stride(1) if new else 0,
-        window_left, softmax_scale, softcap, dtype, threads,
+        q.stride(0), q.stride(2), out.stride(0), out.stride(2),
+        new[0].stride(0) if new else 0, new[0].stride(1) if new else 0,
+        window_left, softmax_scale, softcap, dtype, threads, _isa(isa), 1, int(shared_prefix), 0,
     )  # fmt: skip
     status = lib.paged_decode(ctypes.byref(args))
     if status == 2:
         raise ValueError("paged decode: a request has no cache block for its new token (block_table too short)")
     if status != 0:
         raise MemoryError("paged decode: the native kernel could not allocate its scratch memory")
+    if info is not None:
+        info["groups"] = args.num_groups
+    return out
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seqused_k: torch.Tensor,
+    block_table: torch.Tensor,
+    softmax_scale: float,
+    window_left: int,
+    softcap: float,
+    sinks: torch.Tensor | None,
+    max_seqlen_q: int | None,
+    *,
+    causal: bool = True,
+    isa: str | None = None,
+) -> torch.Tensor | None:
+    """``paged_prefill_attention`` (torch backend semantics) in native code, or None when it cannot take this
+    call. q [total_q, H, D] packed by ``cu_seqlens_q`` int32 [B + 1]; request b attends to its first
+    ``seqused_k[b]`` keys (int32 [B]) through ``block_table`` int32 [B, W], its queries aligned to the end
+    of them (bottom-right causal; ``causal=False``: every key, the window still counted from the bottom-right
+    position, i.e. flash-attn's ``window_size=(window_left, -1)``); rows of requests without keys are zeros.
+    ``max_seqlen_q`` (None: unknown) sizes the threading only. Returns [total_q, H, D] in q.dtype."""
+    dtype = _DTYPES.get(q.dtype)
+    if dtype is None or q.device.type != "cpu" or (lib := library()) is None:
+        return None
+    total, h, d = q.shape
+    batch = seqused_k.shape[0] if seqused_k.dim() == 1 else -1
+    if (
+        k_cache.shape != v_cache.shape
+        or k_cache.shape[3] != d
+        or tuple(cu_seqlens_q.shape) != (batch + 1,)
+        or block_table.dim() != 2
+        or block_table.shape[0] != batch
+    ):
+        raise ValueError(
+            f"paged prefill: shapes do not agree: q {tuple(q.shape)}, pages {tuple(k_cache.shape)} / "
+            f"{tuple(v_cache.shape)}, cu_seqlens_q {tuple(cu_seqlens_q.shape)}, seqused_k "
+            f"{tuple(seqused_k.shape)}, block_table {tuple(block_table.shape)}"
+        )
+    if not _readable(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table):
+        return None
+    sinks = sinks.float().contiguous() if sinks is not None else None
+    out = torch.empty(total, h, d, dtype=q.dtype)
+    keys = max_seqlen_q if max_seqlen_q else total  # each query sees about its prompt's length of keys
+    threads = torch.get_num_threads() if total * h * d * keys > _THREADED_WORK else 1
+    args = _Args(
+        q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), None, None,
+        seqused_k.data_ptr(), cu_seqlens_q.data_ptr(), block_table.data_ptr(), _pointer(sinks),
+        batch, h, k_cache.shape[2], d, k_cache.shape[1], block_table.shape[1], k_cache.shape[0],
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), 0, 0,
+        window_left, softmax_scale, softcap, dtype, threads, _isa(isa), int(causal), 0, 0,
+    )  # fmt: skip
+    if lib.paged_prefill(ctypes.byref(args), total) != 0:
+        raise MemoryError("paged prefill: the native kernel could not allocate its scratch memory")
     return out

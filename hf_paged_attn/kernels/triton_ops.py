@@ -43,7 +43,7 @@ _DECODE_BLOCK_N = 64  # keys per decode loop iteration (halved for head_dim > 12
 _PREFILL_BLOCK_M = 64  # rows of a query tile = queries x (padded) query heads of one KV head
 _PREFILL_BLOCK_N = 64
 # Split-K (see _choose_num_splits). The launch knobs are module constants so that
-# scripts/gpu_check.py can sweep them on a GPU; None leaves Triton's default.
+# scripts/gpu_check/ can sweep them on a GPU; None leaves Triton's default.
 _PROGRAMS_PER_SM = 4
 _MIN_TOKENS_PER_SPLIT = 256  # below this, a split-K partition costs more than it saves
 _MAX_SPLITS = 128

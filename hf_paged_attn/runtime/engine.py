@@ -24,6 +24,7 @@ from .batch_api import BatchAPI
 from .beam import BeamGroup
 from .config import PagedConfig
 from .executor import Launcher, choose_launcher
+from .lockstep import Lockstep
 from .placement import input_device, layer_kinds
 from .sampling import make_sampling_params, resolve_max_new_tokens
 from .speculative.speculator import build_speculator
@@ -76,6 +77,7 @@ class ContinuousBatchingEngine(BatchAPI):
         seed = config.seed if config.seed is not None else int(torch.randint(0, 2**62, ()).item())
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.intake = Intake()
+        self.grammars = None  # structured.Grammars, made at the first constrained request
         self.counters = StepCounters()
         self.updater = Updater(self.scheduler, self.kv, self.intake, self.counters, self.generator)
         self.speculator = build_speculator(
@@ -97,6 +99,8 @@ class ContinuousBatchingEngine(BatchAPI):
         tokenizer: object | None = None,
         stopping_criteria: StoppingCriteriaList | None = None,
         padding: Sequence[int] | None = None,
+        structured: object | None = None,
+        lockstep: Lockstep | None = None,
     ) -> str:
         """Queue one prompt; returns its request id. Bad input raises ValueError and queues nothing.
 
@@ -104,6 +108,11 @@ class ContinuousBatchingEngine(BatchAPI):
         each new token's log-probability and its ``k`` best alternatives. ``seed``: the request's own
         sampling generator. ``tokenizer``: for ``stop_strings``. ``padding``: the prompt's left padding
         in ``model.generate``'s batch, which its processors see. Beam search: ``num_beams`` > 1.
+        ``structured``: a ``runtime.structured.StructuredSpec`` (or a dict of its fields:
+        ``{"json": schema}``, ``{"json_object": True}``, ``{"regex": ...}``, ``{"choice": [...]}``,
+        ``{"grammar": ...}``) the output must match; needs ``tokenizer`` and the ``[structured]`` extra.
+        ``lockstep``: the ``model.generate`` batch whose caller's processors and criteria the
+        request's row runs under (``lockstep.py``; its own ``logits_processor`` is then None).
         """
         text_config = self.model.config.get_text_config()
         prompt = validate_prompt(input_ids, text_config.vocab_size, self.max_position_embeddings)
@@ -117,9 +126,11 @@ class ContinuousBatchingEngine(BatchAPI):
         sampling = make_sampling_params(
             self.model, config, len(prompt), logits_processor,
             stopping_criteria=stopping_criteria, tokenizer=tokenizer, seed=seed, logprobs=logprobs,
-            max_new_tokens=max_new_tokens, prefix=padding,
+            max_new_tokens=max_new_tokens, prefix=padding, lockstep=lockstep,
         )  # fmt: skip
         request = Request("", prompt, max_new_tokens, sampling, arrival=0, priority=priority)
+        if structured is not None:
+            request.matcher = self._matcher(structured, tokenizer, sampling.eos_token_ids, config.num_beams or 1)
         if (num_beams := config.num_beams or 1) > 1:
             request.group = BeamGroup(request, num_beams, int(config.num_return_sequences or 1))
         if not self.scheduler.can_ever_fit(request):
@@ -131,6 +142,20 @@ class ContinuousBatchingEngine(BatchAPI):
                 "(PagedConfig.num_blocks: blocks in every layer)"
             )
         return self.intake.add(request, request_id, num_siblings=max(int(config.num_return_sequences or 1) - 1, 0))
+
+    def _matcher(self, structured: object, tokenizer: object | None, eos_ids: frozenset[int], num_beams: int) -> object:
+        """A fresh grammar matcher for a constrained request (its children clone it)."""
+        if num_beams > 1:
+            raise NotImplementedError("structured outputs with beam search (num_beams > 1) are not supported")
+        if tokenizer is None:
+            raise ValueError("structured outputs need the tokenizer: pass tokenizer= (as for stop_strings)")
+        from .structured import Grammars, as_spec  # llguidance: the optional [structured] extra
+
+        if self.grammars is None:
+            head = self.model.get_output_embeddings()
+            width = head.weight.shape[0] if head is not None else self.model.config.get_text_config().vocab_size
+            self.grammars = Grammars(width)  # the logits' width: ids past the tokenizer's are never allowed
+        return self.grammars.matcher(as_spec(structured), tokenizer, eos_ids)
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its blocks are freed at the next step, which emits its final output

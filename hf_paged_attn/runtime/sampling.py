@@ -1,26 +1,27 @@
 """Sampling through transformers' own GenerationConfig, logits processors and stopping criteria.
 
 Each request carries ``SamplingParams``: its resolved generation config, the processor list that
-``generate`` itself would build, its stop tokens and stopping criteria. A step samples all rows at
-once where it can: plain greedy rows are one batched argmax, and requests with the same sampling
-settings (temperature, top-k, top-p, ... : processors that never read the ids) run their
-processors and draw on their stacked rows; a request whose processors read its history, or that
-has its own seed or records scores or log-probs, samples alone. ``sample_tokens`` changes no
-request: it returns what to record, and the engine records it only once the whole step's sampling
-has succeeded.
+``generate`` itself would build and its batched plan (``processors.plan_processors``), its stop
+tokens and stopping criteria. A step samples all rows at once where it can: plain greedy rows are
+one batched argmax, and requests whose plans share a key (the same processors with the same
+settings: temperature, top-k, top-p, but also repetition penalty, n-grams, min length, ... whose
+per-row lengths and thresholds may differ) run them once on their stacked rows, reading the rows'
+ids from the engine's ``TokenHistory``, and draw together; a request that has its own seed or
+records scores or log-probs samples alone. ``sample_tokens`` changes no request: it returns what
+to record, and the engine records it only once the whole step's sampling has succeeded.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.logits_process import (
-    EpsilonLogitsWarper,
-    InfNanRemoveLogitsProcessor,
     LogitNormalization,
     MinPLogitsWarper,
     TemperatureLogitsWarper,
@@ -33,6 +34,7 @@ from transformers.generation.stopping_criteria import MaxTimeCriteria, StopStrin
 from .. import transformers_private as hf
 from ..core.request import Request, TokenLogprob
 from .placement import input_device
+from .processors import ProcessorPlan, Rows, TokenHistory, openai_options, plan_processors, run_plans
 from .speculative.config import check_generation_options
 
 SUPPORTED_MODES = (
@@ -75,17 +77,33 @@ class SamplingParams:
     eos_token_ids: frozenset[int]
     stopping: StoppingCriteriaList | None = None  # stop strings, max_time, the caller's criteria
     generator: torch.Generator | None = None  # the request's own (``seed=``); else the engine's
+    seed: int | None = None  # the request's ``seed=``: each sequence of ``num_return_sequences`` derives its own
     num_logprobs: int | None = None  # record log-probs with this many alternatives
     output_scores: bool = False
     output_logits: bool = False
     prefix: list[int] = field(default_factory=list)  # generate's left padding: what processors see first
+    # ``processors`` batched (plus OpenAI's penalties and logit bias from the config): what rows run
+    plan: ProcessorPlan = field(default_factory=lambda: ProcessorPlan.of(()))
     # Requests with equal keys are sampled together, their rows stacked (see ``batch_key``)
     batch_key: tuple | None = None
+    # A ``lockstep.Lockstep``: the request is a row of a ``model.generate`` batch whose caller's
+    # processors and criteria run on the whole batch; it samples with the batch, not here
+    lockstep: Any = None
+
+    def for_sequence(self, index: int) -> SamplingParams:
+        """The params of sibling ``index`` of ``num_return_sequences``: with a ``seed``, a generator of
+        its own (from the seed and the index), so each sequence's draws depend on nothing but its own
+        tokens, not on which siblings the scheduler ran beside it (a preemption reorders them)."""
+        if self.generator is None:
+            return self
+        child_seed = (self.seed * 1_000_003 + index) % (2**63)
+        generator = torch.Generator(device=self.generator.device).manual_seed(child_seed)
+        return dataclasses.replace(self, generator=generator)
 
     @property
     def needs_row_work(self) -> bool:
         return (
-            bool(self.processors)
+            bool(self.plan.steps)
             or self.do_sample
             or self.output_scores
             or self.output_logits
@@ -135,12 +153,14 @@ def make_sampling_params(
     logprobs: int | None = None,
     max_new_tokens: int | None = None,
     prefix: list[int] | None = None,
+    lockstep: Any = None,
 ) -> SamplingParams:
     """Resolve ``config`` as ``generate`` does and build its processors and criteria for one request.
 
     ``prefix``: the left padding ``generate``'s batch put before this prompt; processors and
     criteria see it, as they see the padded row in transformers (``min_length``, ``max_length``,
-    ``forced_eos_token_id``, n-gram and repetition processors count it).
+    ``forced_eos_token_id``, n-gram and repetition processors count it). ``lockstep``: the
+    ``lockstep.Lockstep`` batch the request is a row of (its processors and criteria run there).
     """
     config = copy.copy(config)  # its attributes are replaced below, never changed in place
     check_supported(config)
@@ -166,45 +186,26 @@ def make_sampling_params(
         eos_token_ids=eos_ids,
         stopping=make_stopping_criteria(config, stopping_criteria, tokenizer),
         generator=generator,
+        seed=seed,
         num_logprobs=logprobs,
         output_scores=bool(config.return_dict_in_generate and config.output_scores),
         output_logits=bool(config.return_dict_in_generate and config.output_logits),
         prefix=prefix,
+        plan=plan_processors(processors, **openai_options(config)),
+        lockstep=lockstep,
     )
     params.batch_key = batch_key(params)
     return params
 
 
-# Processors that read the scores only, never the ids, and whose settings are plain numbers: rows
-# whose lists are equal can run them once, stacked, as transformers runs one list on its batch.
-ROW_FREE_PROCESSORS = (
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-    MinPLogitsWarper,
-    TypicalLogitsWarper,
-    EpsilonLogitsWarper,
-    LogitNormalization,
-    InfNanRemoveLogitsProcessor,
-)
-
-
 def batch_key(params: SamplingParams) -> tuple | None:
     """What a request's sampling must share with others to be done on stacked rows: sampling or
-    not, and its processors with their settings. None when its rows need their own work: a processor
-    that reads the ids (repetition penalty, n-grams, min length, ...) or one of the caller's, its own
-    generator (``seed=``), or scores, logits or log-probs to record."""
+    not, and its plan's key (its processors' types and the settings their arithmetic depends on).
+    None when its row needs its own work: its own generator (``seed=``), or scores, logits or
+    log-probs to record."""
     if params.generator is not None or params.output_scores or params.output_logits or params.num_logprobs is not None:
         return None
-    key: list = [params.do_sample]
-    for processor in params.processors:
-        settings = vars(processor)
-        if type(processor) not in ROW_FREE_PROCESSORS or not all(
-            isinstance(value, (bool, int, float, str, type(None))) for value in settings.values()
-        ):
-            return None
-        key.append((type(processor).__name__, tuple(sorted(settings.items()))))
-    return tuple(key)
+    return (params.do_sample, params.plan.key)
 
 
 def padding_mask(num_padding: int, length: int, config: GenerationConfig) -> torch.Tensor:
@@ -243,28 +244,41 @@ def should_stop(request: Request, scores: torch.Tensor | None) -> bool:
     return bool(stopping(history, scores).any())
 
 
-def sample_rows(logits: torch.Tensor, requests: list[Request], generator: torch.Generator) -> list[Sample | Exception]:
+def sample_rows(
+    logits: torch.Tensor, requests: list[Request], generator: torch.Generator, history: TokenHistory | None = None
+) -> list[Sample | Exception]:
     """``sample_tokens``, where a request whose sampling raises (e.g. a custom logits processor) gets
-    the exception instead: the step then samples row by row so that the others go on."""
-    try:
-        return sample_tokens(logits, requests, generator)
-    except Exception:
-        return [sample_one(logits[row : row + 1], r, generator) for row, r in enumerate(requests)]
+    the exception instead and the others go on. A failure costs its neighbours nothing: each row of
+    its own is sampled once (a seeded request's generator is never drawn twice), and only a stack
+    that raised is sampled again, row by row."""
+    return sample_tokens(logits, requests, generator, history, isolate=True)
 
 
-def sample_one(logits: torch.Tensor, request: Request, generator: torch.Generator) -> Sample | Exception:
+def sample_one(
+    logits: torch.Tensor, request: Request, generator: torch.Generator, history: TokenHistory | None = None
+) -> Sample | Exception:
     try:
-        return sample_tokens(logits, [request], generator)[0]
+        return sample_tokens(logits, [request], generator, history)[0]
     except Exception as exc:
         return exc
 
 
-def sample_tokens(logits: torch.Tensor, requests: list[Request], generator: torch.Generator | None) -> list[Sample]:
+def sample_tokens(
+    logits: torch.Tensor,
+    requests: list[Request],
+    generator: torch.Generator | None,
+    history: TokenHistory | None = None,
+    isolate: bool = False,
+) -> list[Sample | Exception]:
     """One sample per request. logits: [num_requests, vocab] float32, row i for requests[i].
 
-    Greedy rows are one batched argmax; rows whose sampling is the same (``batch_key``: e.g. every
-    request at temperature 0.8 and top-p 0.9) run their processors and draw together; the others
-    (processors that read the history, their own generator, scores or log-probs to record) one by one.
+    Greedy rows are one batched argmax; rows whose plans share a key (``batch_key``: e.g. every
+    request at temperature 0.8 and top-p 0.9, or every row of a ``generate(min_new_tokens=...)``
+    call) run their processors once on their stacked rows and draw together; the others (their own
+    generator, scores or log-probs to record) one by one. ``history``: the engine's ids of each
+    request whose plan reads them (a request is added at its first sample); None reads them from
+    the requests themselves (tests). ``isolate``: a row's exception is returned as its sample
+    (``sample_rows``) rather than raised.
     """
     tokens = logits.argmax(dim=-1).tolist()  # greedy rows need nothing more
     samples: list[Sample | None] = [None] * len(requests)
@@ -276,19 +290,57 @@ def sample_tokens(logits: torch.Tensor, requests: list[Request], generator: torc
         elif params.batch_key is not None:
             together.setdefault(params.batch_key, []).append(row)
         else:
-            samples[row] = _sample_row(logits[row : row + 1], request, generator)
+            try:
+                samples[row] = _sample_row(logits[row : row + 1], request, generator, history)
+            except Exception as exc:
+                if not isolate:
+                    raise
+                samples[row] = exc
     for rows in together.values():
-        params = requests[rows[0]].sampling
-        scores, ids = stacked_scores(params.processors, logits[torch.tensor(rows, device=logits.device)])
-        if params.do_sample:
-            drawn = draw(torch.softmax(scores, dim=-1), generator)
-        else:
-            drawn = scores.argmax(dim=-1)
-        if ids is not None:  # positions among each row's top-k candidates -> token ids
-            drawn = ids.gather(1, drawn.view(-1, 1)).view(-1)
-        for row, token in zip(rows, drawn.tolist()):
-            samples[row] = Sample(token)
+        try:
+            _sample_stack(logits, [requests[row] for row in rows], rows, generator, history, samples)
+        except Exception:
+            if not isolate:
+                raise
+            for row in rows:  # which row raised: each alone
+                samples[row] = sample_one(logits[row : row + 1], requests[row], generator, history)
     return samples
+
+
+def _sample_stack(
+    logits: torch.Tensor,
+    stack: list[Request],
+    rows: list[int],
+    generator: torch.Generator | None,
+    history: TokenHistory | None,
+    samples: list[Sample | Exception | None],
+) -> None:
+    """Requests of one ``batch_key``: their processors once on their stacked rows, one draw."""
+    plan, do_sample = stack[0].sampling.plan, stack[0].sampling.do_sample
+    raw = logits[torch.tensor(rows, device=logits.device)]  # [R, vocab], a copy the plan may change
+    ids = _rows(stack, history, logits.device) if plan.needs_rows else None
+    scores = run_plans([r.sampling.plan for r in stack], ids, raw, tail=False)
+    scores, candidates = stacked_scores(plan.row_free_tail, scores)
+    drawn = draw(torch.softmax(scores, dim=-1), generator) if do_sample else scores.argmax(dim=-1)
+    if candidates is not None:  # positions among each row's top-k candidates -> token ids
+        drawn = candidates.gather(1, drawn.view(-1, 1)).view(-1)
+    for row, token in zip(rows, drawn.tolist()):
+        samples[row] = Sample(token)
+
+
+def _rows(requests: list[Request], history: TokenHistory | None, device: torch.device) -> Rows:
+    """The stacked ids processors read for ``requests``: generate's left padding, prompt, generated
+    tokens. From ``history`` (adding the requests it does not track yet), else from the requests."""
+    if history is None:
+        return Rows.from_lists(
+            [r.sampling.prefix + r.all_ids for r in requests],
+            [len(r.sampling.prefix) + len(r.prompt_ids) for r in requests],
+            device,
+        )
+    for r in requests:
+        if r not in history:
+            history.add(r, r.sampling.prefix + r.all_ids, num_prompt=len(r.sampling.prefix) + len(r.prompt_ids))
+    return history.rows(requests)
 
 
 # After a top-k (filter -inf), these only ever look at the kept candidates' probabilities
@@ -333,12 +385,14 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor
     return torch.searchsorted(cdf, u, right=True).clamp_max(probs.shape[-1] - 1).view(-1)
 
 
-def _sample_row(raw: torch.Tensor, request: Request, generator: torch.Generator | None) -> Sample:
-    """One request's sample from its raw logits [1, vocab], through its own processors and history."""
+def _sample_row(
+    raw: torch.Tensor, request: Request, generator: torch.Generator | None, history: TokenHistory | None = None
+) -> Sample:
+    """One request's sample from its raw logits [1, vocab], through its own plan and history."""
     params: SamplingParams = request.sampling
-    if params.processors:
-        history = torch.tensor([params.prefix + request.all_ids], device=raw.device)  # [1, seq]
-        scores = params.processors(history, raw.clone())
+    if params.plan.steps:
+        ids = _rows([request], history, raw.device) if params.plan.needs_rows else None
+        scores = run_plans([params.plan], ids, raw.clone())
     else:
         scores = raw
     if params.do_sample:

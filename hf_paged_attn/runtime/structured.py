@@ -112,8 +112,8 @@ class StructuredSpec:
                 raise ValueError(f"json: a JSON schema must be an object, got {type(schema).__name__}")
             try:
                 text = json.dumps(schema, ensure_ascii=False)  # keeps the property order: it is the output's
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"json: the schema is not JSON-serializable ({e})") from None
+            except (TypeError, ValueError, RecursionError) as e:  # a cycle, or nesting deeper than Python's stack
+                raise ValueError(f"json: the schema is not JSON-serializable ({type(e).__name__}: {e})") from None
         elif kind == "json_object":
             if self.json_object is not True:
                 raise ValueError(f"json_object must be True or False, got {self.json_object!r}")
@@ -170,11 +170,14 @@ class Matcher:
     (replays ``accept``).
     """
 
-    __slots__ = ("_m", "_eos", "_ended", "num_tokens")
+    __slots__ = ("_m", "_eos", "_ended", "num_tokens", "compiler")
 
-    def __init__(self, m: llguidance.LLMatcher, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self, m: llguidance.LLMatcher, eos_token_ids: tuple[int, ...], compiler: GrammarCompiler | None = None
+    ) -> None:
         self._m = m
         self._eos = eos_token_ids
+        self.compiler = compiler  # whose threads fill this matcher's mask with others' (``mask_rows``)
         self._ended = False  # an EOS accepted after the grammar had stopped: llguidance does not record it
         self.num_tokens = 0  # tokens accepted; ``rollback`` goes back at most this many
 
@@ -234,7 +237,7 @@ class Matcher:
 
     def clone(self) -> Matcher:
         """An independent copy in the same state (a child of ``n > 1``, a beam)."""
-        twin = Matcher(self._m.deep_copy(), self._eos)
+        twin = Matcher(self._m.deep_copy(), self._eos, self.compiler)
         twin._ended, twin.num_tokens = self._ended, self.num_tokens
         return twin
 
@@ -318,7 +321,7 @@ class GrammarCompiler:
         if isinstance(grammar, StructuredSpec):
             grammar = self.compile(grammar)
         with self._lock:  # one copy at a time of a template shared by every thread
-            m = Matcher(grammar._template.deep_copy(), grammar.eos_token_ids)
+            m = Matcher(grammar._template.deep_copy(), grammar.eos_token_ids, self)
         num = m.accept_tokens(tokens)
         if num != len(tokens):
             raise ValueError(f"token {tokens[num]} at output position {num} does not match the grammar")
@@ -373,6 +376,48 @@ class GrammarCompiler:
             return llguidance.grammar_from("grammar", text)
         except ValueError as e:
             raise ValueError(f"grammar: {e}") from None
+
+
+def as_spec(structured: StructuredSpec | dict[str, Any]) -> StructuredSpec:
+    """A ``StructuredSpec``, or the same from a dict of its fields (``{"json": schema}``, ``{"regex": ...}``)."""
+    if isinstance(structured, StructuredSpec):
+        return structured
+    if isinstance(structured, dict):
+        unknown = sorted(set(structured) - set(_KINDS))
+        if unknown:
+            raise ValueError(f"structured takes {', '.join(_KINDS)}; got {unknown}")
+        return StructuredSpec(**structured)
+    raise ValueError(f"structured must be a StructuredSpec or a dict of its fields, got {type(structured).__name__}")
+
+
+class Grammars:
+    """An engine's grammar compilers: one per tokenizer (an engine normally sees one), for logits of
+    ``vocab_size``. ``matcher`` may be called from any thread."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._compilers: dict[int, tuple[Any, GrammarCompiler]] = {}  # id(tokenizer) -> (it, its compiler)
+        self._lock = threading.Lock()
+
+    def matcher(self, spec: StructuredSpec, tokenizer: Any, eos_token_ids: Sequence[int]) -> Matcher:
+        """A fresh matcher of ``spec``; ValueError if it can't be compiled."""
+        with self._lock:
+            entry = self._compilers.get(id(tokenizer))
+            if entry is None or entry[0] is not tokenizer:
+                compiler = GrammarCompiler(tokenizer, self.vocab_size, eos_token_ids=sorted(eos_token_ids) or None)
+                self._compilers[id(tokenizer)] = entry = (tokenizer, compiler)
+        return entry[1].matcher(spec)
+
+
+def mask_rows(logits: torch.Tensor, matchers: Sequence[Matcher], rows: Sequence[int]) -> None:
+    """``GrammarCompiler.mask_logits`` for matchers of any compilers (grouped by theirs)."""
+    by_compiler: dict[int, tuple[GrammarCompiler, list[Matcher], list[int]]] = {}
+    for matcher, row in zip(matchers, rows, strict=True):
+        _, ms, rs = by_compiler.setdefault(id(matcher.compiler), (matcher.compiler, [], []))
+        ms.append(matcher)
+        rs.append(row)
+    for compiler, ms, rs in by_compiler.values():
+        compiler.mask_logits(logits, ms, rs)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | None = None) -> None:

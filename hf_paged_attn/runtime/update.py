@@ -3,12 +3,15 @@ update), as vLLM's ``update_from_output``.
 
 In order: the computed tokens are committed to the KV-block manager (full blocks enter the prefix
 cache, blocks that left a window are freed); each request whose chunk reached its end samples its
-next token (stacked where requests share their sampling, ``sampling.py``); the token is recorded
-with its scores and log-probs; ``num_return_sequences`` siblings are forked after the prompt's
-first sample; EOS, the stopping criteria and the length limit finish requests; beam groups advance
-once all their beams' logits are in. A finished request's blocks go back at once, and the engine
-forgets it. One request's failure (a caller's processor or criterion that raises) finishes that
-request alone with ``finish_reason="error"``.
+next token (stacked where requests share their sampling, ``sampling.py``; processors that read the
+ids read them from one ``TokenHistory``, which gets the step's tokens in one append);
+``num_return_sequences`` siblings are forked after the prompt's first sample; the token is recorded
+with its scores and log-probs; EOS, the stopping criteria and the length limit finish requests;
+beam groups advance once all their beams' logits are in, and so do the rows of a lockstep batch
+(``lockstep.py``: a ``model.generate`` call whose caller's processors or criteria see the whole
+batch). A finished request's blocks go back at once, and the engine forgets it. One request's
+failure (a caller's processor or criterion that raises) finishes that request alone with
+``finish_reason="error"`` (a lockstep batch fails as one, as ``generate`` would).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from ..core.kv_manager import KVBlockManager
 from ..core.request import Request, RequestOutput
 from ..core.scheduler import Scheduler, SchedulerOutput
 from .beam import BeamGroup
+from .lockstep import Lockstep
+from .processors import TokenHistory
 from .sampling import Sample, sample_one, sample_rows, should_stop
 from .speculative.verify import verify_step
 from .stats import StepCounters
@@ -39,6 +44,8 @@ class Updater:
         self.intake = intake
         self.counters = counters
         self.generator = generator
+        self.history: TokenHistory | None = None  # made on the logits' device at the first step
+        self._advancing: Lockstep | None = None
 
     def apply(self, plan: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
         """The step ran: ``logits`` [num_sampled, vocab] float32, one row per request whose chunk
@@ -46,24 +53,41 @@ class Updater:
         outputs: list[RequestOutput] = []
         if plan.num_lookahead_tokens:  # speculating requests are verified apart (speculative/verify.py)
             plan, logits, outputs = verify_step(self, plan, logits)
+        if self.history is None:
+            self.history = TokenHistory(logits.device)
         for s in plan.scheduled:
             self.kv.commit(s.request, s.num_new_tokens)
         sampled = [s.request for s in plan.scheduled if s.request.num_computed_tokens == s.request.num_tokens]
-        rows = [row for row, r in enumerate(sampled) if r.group is None]
-        mine = logits if len(rows) == len(sampled) else logits[rows]  # no beams: no [rows, vocab] copy
-        for row, sample in zip(rows, sample_rows(mine, [sampled[row] for row in rows], self.generator)):
+        rows = [row for row, r in enumerate(sampled) if r.group is None and r.sampling.lockstep is None]
+        constrained = [row for row in rows if sampled[row].matcher is not None]
+        if constrained:  # grammar masks first: processors, sampling and forks see only allowed tokens
+            from .structured import mask_rows
+
+            mask_rows(logits, [sampled[row].matcher for row in constrained], constrained)
+        mine = logits if len(rows) == len(sampled) else logits[rows]  # no groups: no [rows, vocab] copy
+        drawn = []  # (request, its sample, its logits row)
+        for row, sample in zip(rows, sample_rows(mine, [sampled[row] for row in rows], self.generator, self.history)):
             siblings = self._fork(sampled[row], logits[row : row + 1]) if sampled[row].children else []
-            for r, s in [(sampled[row], sample), *siblings]:
-                outputs += self._record(r, s, logits[row : row + 1])
-        for row, beam in enumerate(sampled):  # a beam group moves once all its beams' logits are in
-            if beam.group is not None and not beam.finished and beam.group.receive(beam, logits[row]):
-                outputs += self._advance(beam.group)
+            drawn += [(r, s, logits[row : row + 1]) for r, s in [(sampled[row], sample), *siblings]]
+        # One append of the step's tokens to every tracked row, before any of them finishes and is released
+        tracked = [(r, s.token) for r, s, _ in drawn if isinstance(s, Sample) and r in self.history]
+        self.history.append([r for r, _ in tracked], [t for _, t in tracked])
+        for r, s, row_logits in drawn:
+            outputs += self._record(r, s, row_logits)
+        for row, request in enumerate(sampled):  # groups move once all their members' logits are in
+            if request.finished:
+                continue
+            if request.group is not None and request.group.receive(request, logits[row]):
+                outputs += self._advance(request.group)
+            elif request.sampling.lockstep is not None and request.sampling.lockstep.receive(request, logits[row]):
+                outputs += self._advance_lockstep(request.sampling.lockstep)
         return outputs
 
     def fail(self, plan: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         """The step raised: its requests fail (the engine goes on with the others)."""
         return [out for s in plan.scheduled for out in self.finish(s.request, "error", exc)]
 
+    @torch.inference_mode()  # an abort comes from outside the step: the rows' tensors are inference tensors
     def finish(self, request: Request, reason: str, exc: Exception | None = None) -> list[RequestOutput]:
         """Finish ``request`` (and the siblings it has yet to fork), free its blocks, emit its final output."""
         if request.group is not None:  # a beam: the whole search ends, reported on its head
@@ -75,8 +99,13 @@ class Updater:
         for r in [request, *request.children]:
             r.finish(reason, f"{type(exc).__name__}: {exc}" if exc is not None else None)
             self.scheduler.remove(r)
+            if self.history is not None:
+                self.history.release(r)
             outputs.append(self._emit(r))
         request.children = []
+        batch = request.sampling.lockstep
+        if batch is not None and batch is not self._advancing and batch.ready():  # it waited on this row
+            outputs += self._advance_lockstep(batch)
         return outputs
 
     # ----------------------------------------------------------------------------- per request
@@ -86,13 +115,16 @@ class Updater:
             return self.finish(request, "error", sample)
         request.append(sample.token, sample.scores, sample.logits, sample.logprob)
         self.counters.num_generated_tokens += 1
+        if request.matcher is not None and not request.matcher.accept(sample.token):
+            error = request.matcher.error or f"token {sample.token} does not match the grammar"
+            return self.finish(request, "error", ValueError(error))
         try:
             stop = should_stop(request, logits)
         except Exception as exc:  # a caller's stopping criterion raised: that request fails alone
             return self.finish(request, "error", exc)
         if sample.token in request.sampling.eos_token_ids:
             return self.finish(request, "eos")
-        if stop:
+        if stop or (request.matcher is not None and request.matcher.is_terminated()):  # a complete match
             return self.finish(request, "stop")
         if len(request.output_ids) >= request.max_new_tokens:
             return self.finish(request, "length")
@@ -107,9 +139,34 @@ class Updater:
                 continue
             self.kv.fork(parent, child)
             self.scheduler.add_running(child)
-            forked.append((child, sample_one(logits, child, self.generator)))
+            if parent in self.history:  # before the parent's first token is appended
+                self.history.fork(parent, child)
+            forked.append((child, sample_one(logits, child, self.generator, self.history)))
         parent.children = []
         return forked
+
+    def _advance_lockstep(self, batch: Lockstep) -> list[RequestOutput]:
+        """Every live row of a lockstep batch has its logits: the caller's processors run once on
+        the batch, each row draws, the siblings of ``num_return_sequences`` are forked at the
+        first step, the criteria run once on the batch; rows that stopped finish."""
+        self._advancing = batch
+        try:
+            step = batch.advance(self.generator)
+        except Exception as exc:  # a caller's processor or criterion raised: the batch fails, as generate would
+            outputs = [out for r in batch.live_requests() for out in self.finish(r, "error", exc)]
+            self._advancing = None
+            return outputs
+        for parent, child in step.forks:
+            self.kv.fork(parent, child)
+            self.scheduler.add_running(child)
+            parent.children = []  # forked: each finishes on its own from now on
+        outputs = []
+        for request, sample, reason in step.rows:
+            request.append(sample.token, sample.scores, sample.logits, sample.logprob)
+            self.counters.num_generated_tokens += 1
+            outputs += self.finish(request, reason) if reason else [request.take_output()]
+        self._advancing = None
+        return outputs
 
     def _advance(self, group: BeamGroup) -> list[RequestOutput]:
         """A beam search step: the next beams fork their parents' blocks, or the search ends."""

@@ -1,32 +1,62 @@
-"""The FastAPI application: routes, API-key check, OpenAI-shaped errors, engine thread lifetime."""
+"""The FastAPI application: routes, API-key check, OpenAI-shaped errors, engine thread lifetime.
+
+Every route answers in OpenAI's error shape, whatever goes wrong: a client's mistake is a 4xx
+naming the field (``param``), an unknown route 404, a wrong method 405 with ``Allow``; a bug is a
+500 with ``Connection: close``, answered by the route itself so that the connection is closed
+cleanly rather than reset under the client's next request. ``/openapi.json`` documents the request
+bodies with the same pydantic models that validate them.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
+from .. import __version__
 from .engine_loop import EngineLoop
-from .handlers import Handlers, ServeSettings, error_response
+from .errors import APIError, error_response
+from .handlers import Handlers, ServeSettings
 from .metrics import CONTENT_TYPE, ServeMetrics
-from .protocol import APIError
+from .protocol import ChatCompletionRequest, CompletionRequest
 
 logger = logging.getLogger("hf_paged_attn.serve")
 STOP_TIMEOUT_S = 10.0  # for the engine thread to carry out the last aborts at shutdown
+HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+
+
+def guarded(route: Callable[[Request], Awaitable[Any]]) -> Callable[[Request], Awaitable[Any]]:
+    """``route`` answering every exception itself: APIError in OpenAI's shape, anything else a 500."""
+
+    @functools.wraps(route)
+    async def wrapper(request: Request) -> Any:
+        try:
+            return await route(request)
+        except APIError as exc:
+            return error_response(exc)
+        except Exception as exc:
+            logger.exception("unhandled error on %s", request.url.path)
+            return error_response(APIError(500, f"internal error: {type(exc).__name__}", None, "internal_error"))
+
+    return wrapper
 
 
 def build_app(engine: Any, tokenizer: Any, settings: ServeSettings) -> FastAPI:
     """An app serving ``engine`` (a ContinuousBatchingEngine) under ``settings.model_name``.
 
     The engine thread starts with the app's lifespan and stops with it; requests still running at
-    shutdown (after uvicorn's graceful drain) are aborted.
+    shutdown (after uvicorn's graceful drain) are aborted. ``app.state.engine_loop.abort_all()``
+    ends every open request now (a drain that ran out of time), each stream with an error event
+    and ``data: [DONE]``.
     """
     metrics = ServeMetrics(lambda: loop.stats)
     loop = EngineLoop(engine, metrics)
@@ -40,8 +70,9 @@ def build_app(engine: Any, tokenizer: Any, settings: ServeSettings) -> FastAPI:
         finally:
             if not loop.stop(STOP_TIMEOUT_S):
                 logger.warning("the engine thread did not stop within %.0f s", STOP_TIMEOUT_S)
+            handlers.close()
 
-    app = FastAPI(title="hf-paged-attn", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="hf-paged-attn", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.engine_loop = loop
     app.state.metrics = metrics
 
@@ -55,17 +86,18 @@ def build_app(engine: Any, tokenizer: Any, settings: ServeSettings) -> FastAPI:
                            "invalid_api_key")
 
     @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+    async def api_error(request: Request, exc: APIError) -> Response:
         return error_response(exc)
 
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        return error_response(APIError(exc.status_code, str(exc.detail)))
+    @app.exception_handler(HTTPException)  # routing: 404, 405 (with its Allow header)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        code = HTTP_CODES.get(exc.status_code)
+        return error_response(APIError(exc.status_code, str(exc.detail), None, code, exc.headers))
 
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+    @app.exception_handler(Exception)  # a last resort: the routes answer their own errors (guarded)
+    async def internal_error(request: Request, exc: Exception) -> Response:
         logger.exception("unhandled error on %s", request.url.path)
-        return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}", None, "internal_error"))
 
     @app.get("/health")
     async def health() -> Response:
@@ -76,18 +108,66 @@ def build_app(engine: Any, tokenizer: Any, settings: ServeSettings) -> FastAPI:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
+    @guarded
     async def models(request: Request) -> Any:
         check_key(request)
         return handlers.models()
 
     @app.post("/v1/completions")
+    @guarded
     async def completions(request: Request) -> Any:
         check_key(request)
         return await handlers.completions(request)
 
     @app.post("/v1/chat/completions")
+    @guarded
     async def chat_completions(request: Request) -> Any:
         check_key(request)
         return await handlers.chat(request)
 
+    app.openapi = functools.partial(openapi_schema, app)  # type: ignore[method-assign]
     return app
+
+
+REQUEST_MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+ERROR_STATUSES = {
+    "400": "invalid request (the message names the problem, param the field)", "401": "missing or wrong API key",
+    "408": "the body did not arrive in time", "413": "the body is larger than --max-body-bytes",
+    "415": "the body is not application/json", "429": "the queue is full; retry later",
+    "500": "internal error", "503": "shutting down",
+}
+ERROR_SCHEMA = {
+    "type": "object", "required": ["error"], "properties": {"error": {
+        "type": "object", "required": ["message", "type", "param", "code"], "properties": {
+            "message": {"type": "string"}, "type": {"type": "string"},
+            "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]},
+        },
+    }},
+}
+
+
+def openapi_schema(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema plus what it cannot see (the routes read their bodies themselves, to keep
+    our limits and error format): the request bodies, from the models that validate them, and the
+    error responses."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    components["ErrorResponse"] = ERROR_SCHEMA
+    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+    for path, model in REQUEST_MODELS.items():
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(body.pop("$defs", {}))
+        components[model.__name__] = body
+        operation = schema["paths"][path]["post"]
+        operation["requestBody"] = {"required": True, "content": {
+            "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        operation["responses"] = {
+            "200": {"description": "the completion (JSON), or server-sent events ending with data: [DONE] "
+                    "when stream is true", "content": {"application/json": {"schema": {"type": "object"}},
+                                                      "text/event-stream": {"schema": {"type": "string"}}}},
+            **{status: {"description": text, **error} for status, text in ERROR_STATUSES.items()},
+        }
+    app.openapi_schema = schema
+    return schema

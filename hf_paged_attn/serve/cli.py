@@ -4,13 +4,20 @@
     python -m hf_paged_attn.serve path/to/model --api-key secret --max-num-seqs 32
 
 It logs one line when ready, ``ready: http://HOST:PORT``. SIGTERM or SIGINT stop accepting
-connections, let running requests finish (at most --drain-timeout seconds) and exit 0.
+connections, let running requests finish (at most --drain-timeout seconds; then every open request
+is aborted, each stream ended with an error event and ``data: [DONE]``) and exit 0.
+
+Limits on what one client can cost (413, 408, 400 past them) and on connections are flags below; for
+TLS, authentication beyond one key, per-client rate limits and slow clients (partial headers), put a
+reverse proxy in front (docs/serving.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import math
 import os
 import signal
 import socket
@@ -19,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import PagedConfig, SpeculativeConfig
+from .limits import CHARS_PER_TOKEN, DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DRAIN_GRACE_S, MAX_HEADER_BYTES
 
 logger = logging.getLogger("hf_paged_attn.serve")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -38,10 +46,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available, else cpu)")
     p.add_argument("--chat-template", type=Path, metavar="FILE",
                    help="a Jinja chat template to use instead of the tokenizer's")
+    p.add_argument("--tool-call-parser", choices=("auto", "hermes", "llama3"), default="auto",
+                   help="the model's tool-call format: hermes (<tool_call>{...}</tool_call>, Qwen), llama3 "
+                        "({\"name\": ..., \"parameters\": ...}), or auto: read from the chat template (default)")
     p.add_argument("--max-queue", type=int, default=512,
                    help="most requests (choices) in the engine at once, running and waiting; more get HTTP 429")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds to let running requests finish on SIGTERM/SIGINT before aborting them")
+    lim = p.add_argument_group("limits per request and connection")
+    lim.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                     help="largest POST body; larger ones get 413 (default: %(default)s = 4 MiB)")
+    lim.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                     help="seconds a POST body may take to arrive; then 408 (default: %(default)s; 0: no limit)")
+    lim.add_argument("--max-prompt-chars", type=int,
+                     help=f"most characters in a prompt (chat: all messages), checked before tokenizing "
+                          f"(default: {CHARS_PER_TOKEN} x the model's context length)")
+    lim.add_argument("--http", choices=("auto", "httptools", "h11"), default="auto",
+                     help="uvicorn's HTTP parser: httptools (auto, when installed) is faster; h11 caps request "
+                          f"headers at {MAX_HEADER_BYTES // 1024} KiB (431 past it), httptools has no cap")
+    lim.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                     help="seconds an idle keep-alive connection stays open (default: %(default)s)")
+    lim.add_argument("--limit-concurrency", type=int,
+                     help="most connections and requests at once; more get 503 from uvicorn "
+                          "(default: 2 x --max-queue + 64; 0: no limit)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.add_argument("--tp-plan", choices=("auto",),
                    help="tensor parallel over the ranks of a torchrun launch (from_pretrained(tp_plan=...)): "
@@ -64,6 +91,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--max-queue must be >= 1, got {args.max_queue}")
     if args.drain_timeout < 0:
         p.error(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    for name in ("max_body_bytes", "max_prompt_chars"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("body_timeout", "timeout_keep_alive"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.limit_concurrency is None:
+        args.limit_concurrency = 2 * args.max_queue + 64
+    elif args.limit_concurrency < 0:
+        p.error(f"--limit-concurrency must be >= 0, got {args.limit_concurrency}")
     if args.speculative and args.speculative.startswith("ngram") == bool(args.draft_model):
         p.error(f"--speculative {args.speculative}: ngram:K goes without --draft-model, draft:K with it")
     return args
@@ -143,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     settings = ServeSettings(
         model_name=args.served_model_name or args.model, api_key=args.api_key or None,
-        max_queue=args.max_queue, chat_template=template,
+        max_queue=args.max_queue, chat_template=template, max_body_bytes=args.max_body_bytes,
+        body_timeout=args.body_timeout or None, max_prompt_chars=args.max_prompt_chars,
+        tool_call_parser=args.tool_call_parser,
     )
     app = build_app(engine, tokenizer, settings)
     sock = bind(args.host, args.port)
@@ -158,9 +197,26 @@ def main(argv: list[str] | None = None) -> int:
                       f"{engine.stats.num_blocks} KV blocks of {engine.config.block_size} tokens)",
                       file=sys.stderr, flush=True)
 
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            # uvicorn waits for open connections, then cancels them mid-chunk: abort the requests at
+            # the drain deadline instead, so that every stream ends with an error event and [DONE].
+            timer = asyncio.get_running_loop().call_later(args.drain_timeout, drain_expired)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
+    def drain_expired() -> None:
+        num = app.state.engine_loop.abort_all()
+        logger.warning("drain timeout (%.1f s): aborted %d unfinished request(s)", args.drain_timeout, num)
+
     config = uvicorn.Config(
         app, log_level=args.log_level if args.log_level == "debug" else "warning", access_log=False,
-        timeout_graceful_shutdown=int(args.drain_timeout) or 1, lifespan="on",
+        lifespan="on", http=args.http, timeout_keep_alive=args.timeout_keep_alive,
+        limit_concurrency=args.limit_concurrency or None,
+        # after the drain deadline, the aborted streams get this long to send their last events
+        timeout_graceful_shutdown=math.ceil(args.drain_timeout) + DRAIN_GRACE_S,
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,  # with --http h11; httptools has no such bound
     )
     # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal to the handler found before it
     # started: make that one a no-op so a drained shutdown exits 0.

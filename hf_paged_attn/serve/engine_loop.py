@@ -4,11 +4,18 @@ The thread runs ``engine.step()`` while any request is unfinished and sleeps on 
 variable otherwise (no polling). Each step's outputs go to the event loop in one
 ``call_soon_threadsafe`` call, which puts each output on the asyncio.Queue of the HTTP request
 that asked for it. ``add_request`` and ``abort`` are the engine's thread-safe entry points.
+
+``submit`` may run in any thread, and holds no lock across ``add_request``: a constrained request
+compiles its grammar there (milliseconds to tens on a large vocabulary), which must stall neither
+the event loop nor the engine thread. So the request's id is ours, chosen first: its subscriber is in
+place before the engine can emit for it, and the engine thread can tell an id still being added
+(``_adding``) from one it never knew.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -39,10 +46,15 @@ class EngineLoop:
         self.stats = engine.stats  # refreshed by the engine thread after every step
         self._cond = threading.Condition()
         self._live: set[str] = set()  # submitted and not yet seen finished (guarded by _cond)
-        self._stopping = False
+        self._adding: set[str] = set()  # in add_request now (guarded by _cond)
+        self._finished_early: set[str] = set()  # of those, seen finished before add_request returned (_cond)
+        self._ids = itertools.count()
+        self._stopping = False  # the thread ends once nothing is left
+        self._closed = False  # no new requests (draining past its deadline, or stopping)
+        self._reasons: dict[str, str] = {}  # aborted ids -> the finish reason the metrics count (guarded by _cond)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._subscribers: dict[str, _Subscriber] = {}  # event-loop thread only
+        self._subscribers: dict[str, _Subscriber] = {}  # set before add_request, read and popped by the event loop
 
     # ----------------------------------------------------------------------------- event-loop side
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -53,26 +65,51 @@ class EngineLoop:
     @property
     def num_unfinished(self) -> int:
         with self._cond:
-            return len(self._live)
+            return len(self._live) + len(self._adding)
 
     def submit(self, input_ids: Sequence[int], queue: asyncio.Queue, tag: Any, **kwargs: Any) -> str:
-        """Queue one request; its outputs arrive on ``queue`` as ``(tag, RequestOutput)``.
+        """Queue one request; its outputs arrive on ``queue`` as ``(tag, RequestOutput)``. Any thread.
         The engine's ValueError for bad input propagates and nothing is queued."""
-        with self._cond:  # held across add_request: the thread cannot see the output before _live has the id
-            if self._stopping:
+        request_id = f"srv-{next(self._ids)}"
+        with self._cond:
+            if self._stopping or self._closed:
                 raise RuntimeError("the server is shutting down")
-            request_id = self.engine.add_request(list(input_ids), **kwargs)
-            self._live.add(request_id)
-            self._cond.notify()
+            self._adding.add(request_id)
         self._subscribers[request_id] = _Subscriber(queue, tag, time.perf_counter())
+        try:
+            self.engine.add_request(list(input_ids), request_id=request_id, **kwargs)
+        except BaseException:
+            self._subscribers.pop(request_id, None)
+            with self._cond:
+                self._adding.discard(request_id)
+            raise
+        with self._cond:
+            self._adding.discard(request_id)
+            closed = self._stopping or self._closed
+            if request_id in self._finished_early:  # one step took it to its end already
+                self._finished_early.discard(request_id)
+            elif not closed:
+                self._live.add(request_id)
+                self._cond.notify()
+        if closed:  # the server began stopping meanwhile: the thread may be gone
+            self._subscribers.pop(request_id, None)
+            self._abort_in_engine(request_id)
+            raise RuntimeError("the server is shutting down")
         if self.metrics:
             self.metrics.prompt_tokens.inc(len(input_ids))
         return request_id
 
-    def abort(self, request_id: str) -> None:
-        """Stop delivering ``request_id``'s outputs and cancel it; its blocks free at the next step."""
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Stop delivering ``request_id``'s outputs and cancel it; its blocks free at the next step.
+        ``reason``: what the metrics count it as ("stop" when the server found a stop sequence)."""
         if self._subscribers.pop(request_id, None) is None:
             return  # already finished and delivered
+        if reason != "abort":
+            with self._cond:
+                self._reasons[request_id] = reason
+        self._abort_in_engine(request_id)
+
+    def _abort_in_engine(self, request_id: str) -> None:
         try:
             self.engine.abort(request_id)
         except ValueError:  # finished in the engine meanwhile
@@ -93,7 +130,7 @@ class EngineLoop:
                 sub.last = now
             sub.queue.put_nowait((sub.tag, out))
             if out.finished:
-                del self._subscribers[out.request_id]
+                self._subscribers.pop(out.request_id, None)
 
     # ----------------------------------------------------------------------------- engine thread
     def _run(self) -> None:
@@ -108,13 +145,18 @@ class EngineLoop:
                 logger.exception("engine step failed; failing every unfinished request")
                 outputs = self._fail_all(exc)
             with self._cond:
+                relabel = {}
                 for out in outputs:
                     if out.finished:
+                        if out.request_id in self._adding:  # finished before submit counted it live
+                            self._finished_early.add(out.request_id)
                         self._live.discard(out.request_id)
+                        if out.request_id in self._reasons:
+                            relabel[out.request_id] = self._reasons.pop(out.request_id)
             try:  # bookkeeping must never stop the thread: every open request would hang
                 self.stats = self.engine.stats
                 if self.metrics:
-                    self.metrics.record_step(outputs)
+                    self.metrics.record_step(outputs, relabel)
             except Exception:
                 logger.exception("updating the metrics failed")
             if outputs:
@@ -135,10 +177,11 @@ class EngineLoop:
             outputs.append(RequestOutput(request_id, [], [], [], True, "error", f"{type(exc).__name__}: {exc}"))
         return outputs
 
-    def stop(self, timeout: float) -> bool:
-        """Abort what is left, let the thread finish the aborts and exit; True if it did in time."""
+    def abort_all(self) -> int:
+        """Refuse new requests and abort every unfinished one; their subscribers still get the final
+        ``"abort"`` output (a stream ends with an error event). Returns how many were aborted."""
         with self._cond:
-            self._stopping = True
+            self._closed = True
             ids = list(self._live)
             self._cond.notify()
         for request_id in ids:
@@ -146,6 +189,13 @@ class EngineLoop:
                 self.engine.abort(request_id)
             except ValueError:
                 pass
+        return len(ids)
+
+    def stop(self, timeout: float) -> bool:
+        """Abort what is left, let the thread finish the aborts and exit; True if it did in time."""
+        with self._cond:
+            self._stopping = True
+        self.abort_all()
         if self._thread is None:
             return True
         self._thread.join(timeout)

@@ -4,27 +4,44 @@ Decisions that differ from OpenAI (documented in docs/serving.md): sampling fiel
 leaves out come from the model's ``generation_config`` (as ``transformers serve`` does), so the
 demo model is greedy unless ``temperature`` > 0 is asked for; chat's default ``max_tokens`` is
 the generation config's ``max_new_tokens`` (or the rest of the context).
+
+Structured outputs (``response_format``, vLLM's ``structured_outputs``, a forced tool call) are the
+engine's: the request carries a spec, the engine compiles it in ``add_request``. That call (a compile
+takes ms to seconds) runs in a worker thread, never on the event loop, and a spec the engine refuses
+is a 400 before anything is queued. With ``tools`` (and ``tool_choice`` other than ``none``) the
+output is parsed for tool calls in the model's format (``tool_parser``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import importlib.util
 import inspect
-import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from transformers import GenerationConfig
 
+from .body import check_content_type, parse_json, read_body
+from .chat import chat_prompt_ids
 from .engine_loop import EngineLoop
+from .errors import APIError, dumps, json_response, short
 from .jobs import ChoiceEvent, Job, JobRun, TokenInfo
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, parse
+from .limits import CHARS_PER_TOKEN, DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, TOKENIZER_THREADS, RequestLimits
+from .protocol import ChatCompletionRequest, CompletionRequest, parse
+from .tool_parser import FORMATS, ToolCallFormat, ToolCallStream, detect_format, parse_tool_calls
+from .tools import NamedToolChoice, forced_grammar, template_tools
+
+logger = logging.getLogger("hf_paged_attn.serve")
+Structure = tuple[dict[str, Any] | None, str | None]  # (the engine's structured spec, the field it comes from)
 
 
 @dataclass
@@ -33,9 +50,29 @@ class ServeSettings:
     api_key: str | None = None
     max_queue: int = 512  # engine requests (choices) admitted at once, running + waiting; more get 429
     chat_template: str | None = None  # overrides the tokenizer's
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a larger POST body gets 413
+    body_timeout: float | None = DEFAULT_BODY_TIMEOUT_S  # seconds for a POST body to arrive; then 408
+    max_prompt_chars: int | None = None  # characters of a prompt (chat: all messages); None: CHARS_PER_TOKEN x context
+    tool_call_parser: str = "auto"  # the tool-call format: hermes, llama3, or auto (from the chat template)
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser not in ("auto", *FORMATS):
+            raise ValueError(f"tool_call_parser must be auto, {', '.join(FORMATS)}; got {self.tool_call_parser!r}")
+        for name in ("max_queue", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
+            raise ValueError(f"max_prompt_chars must be >= 1 or None, got {self.max_prompt_chars}")
+        if self.body_timeout is not None and not self.body_timeout > 0:
+            raise ValueError(f"body_timeout must be > 0 or None, got {self.body_timeout}")
 
 
 class Handlers:
+    """The two POST endpoints. Everything a request costs before the engine (JSON, validation,
+    tokenizing, the chat template) runs in a small thread pool, never on the event loop: /health
+    and the streams of other requests go on while a long prompt is tokenized (the Rust tokenizer
+    releases the GIL)."""
+
     def __init__(self, loop: EngineLoop, tokenizer: Any, settings: ServeSettings) -> None:
         self.loop = loop
         self.tokenizer = tokenizer
@@ -44,17 +81,44 @@ class Handlers:
         self.generation_config: GenerationConfig = engine.generation_config
         text_config = engine.model.config.get_text_config()
         self.context_length = int(getattr(text_config, "max_position_embeddings", None) or tokenizer.model_max_length)
+        self.limits = RequestLimits(
+            vocab_size=int(getattr(text_config, "vocab_size", None) or len(tokenizer)),
+            max_prompt_chars=settings.max_prompt_chars or CHARS_PER_TOKEN * self.context_length,
+            max_choices=settings.max_queue,
+        )
         self.engine_options = set(inspect.signature(engine.add_request).parameters)
+        self.structured_ok = "structured" in self.engine_options and importlib.util.find_spec("llguidance") is not None
+        template = settings.chat_template or getattr(tokenizer, "chat_template", None)
+        self.tool_format: ToolCallFormat = detect_format(template if isinstance(template, str) else None,
+                                                         settings.tool_call_parser)
+        added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
+        self.marker_ids = {m: added[m] for m in (self.tool_format.start, self.tool_format.end) if m and m in added}
+        tokenizer("warm up", add_special_tokens=False)  # its first call may set state; later calls only read it
+        self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="hf-paged-tokenize")
+        # Grammars compile here once the engine has its grammar compiler: the first constrained request
+        # builds it from the tokenizer (~1 s for a large vocabulary), so that one runs in the tokenizer's
+        # thread; after it, a compile (which releases the GIL) holds up no tokenizing.
+        self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="hf-paged-grammar")
+        self._grammars_ready = False
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def _body(self, request: Request) -> bytes:
+        check_content_type(request)
+        return await read_body(request, self.settings.max_body_bytes, self.settings.body_timeout)
 
     # ----------------------------------------------------------------------------- endpoints
     async def completions(self, request: Request) -> Any:
-        req: CompletionRequest = parse(CompletionRequest, await _json(request))
-        self._check_model(req.model)
-        prompts, texts = self._completion_prompts(req.prompt)
+        req, prompts, texts = await self._off_loop(self._prepare_completion, await self._body(request))
         limit = req.max_tokens if req.max_tokens is not None else 16  # an explicit null: OpenAI's default
-        job = self._job(req, prompts, [limit] * len(prompts), req.logprobs)
+        job = self._job(req, prompts, [limit] * len(prompts), req.logprobs, structure=req.structured())
         echo = texts if req.echo else [""] * len(prompts)
-        run = self._start(job)
+        run = await self._start(job)
         meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.settings.model_name}
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
@@ -68,52 +132,73 @@ class Handlers:
             choices.append({"index": choice.index, "text": echo[choice.prompt_index] + text,
                             "logprobs": logprobs if req.logprobs is not None else None,
                             "finish_reason": choice.finish_reason})
-        return {**meta, "object": "text_completion", "choices": choices, "usage": _usage(job)}
+        return json_response({**meta, "object": "text_completion", "choices": choices, "usage": _usage(job)})
 
     async def chat(self, request: Request) -> Any:
-        req: ChatCompletionRequest = parse(ChatCompletionRequest, await _json(request))
-        self._check_model(req.model)
-        prompt = self._chat_prompt(req)
+        req, prompt, structure = await self._off_loop(self._prepare_chat, await self._body(request))
         limit = req.token_limit()
         if limit is None:
             rest = self.context_length - len(prompt)
             limit = min(self.generation_config.max_new_tokens or rest, rest) if rest > 0 else 1
         top = (req.top_logprobs or 0) if req.logprobs else None
-        job = self._job(req, [prompt], [limit], top)
-        run = self._start(job)
+        job = self._job(req, [prompt], [limit], top, prompt_param="messages", structure=structure)
+        run = await self._start(job)
+        tools = self.tool_format if req.parses_tool_calls() else None
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.settings.model_name}
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
-            return _sse(_chat_chunks(run, meta, usage))
+            return _sse(_chat_chunks(run, meta, usage, tools))
         events = await _collect(run, request)
         choices = []
         for choice in job.choices:
             mine = [e for e in events if e.choice is choice]
             logprobs = _chat_logprobs([lp for e in mine for lp in e.logprobs]) if req.logprobs else None
-            choices.append({"index": choice.index, "logprobs": logprobs, "finish_reason": choice.finish_reason,
-                            "message": {"role": "assistant", "content": "".join(e.text for e in mine)}})
-        return {**meta, "object": "chat.completion", "choices": choices, "usage": _usage(job)}
+            message: dict[str, Any] = {"role": "assistant", "content": "".join(e.text for e in mine)}
+            finish = choice.finish_reason
+            if tools is not None:
+                content, calls = parse_tool_calls(tools, message["content"])
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": calls}
+                    finish = "tool_calls" if finish == "stop" else finish
+            choices.append({"index": choice.index, "logprobs": logprobs, "finish_reason": finish, "message": message})
+        return json_response({**meta, "object": "chat.completion", "choices": choices, "usage": _usage(job)})
 
     def models(self) -> dict[str, Any]:
         card = {"id": self.settings.model_name, "object": "model", "created": 0, "owned_by": "hf-paged-attn"}
         return {"object": "list", "data": [card]}
 
+    # ----------------------------------------------------------------------------- in the thread pool
+    def _prepare_completion(self, data: bytes) -> tuple[CompletionRequest, list[list[int]], list[str]]:
+        req: CompletionRequest = parse(CompletionRequest, parse_json(data), self.limits)
+        self._check_model(req.model)
+        prompts, texts = self._completion_prompts(req.prompts())
+        return req, prompts, texts
+
+    def _prepare_chat(self, data: bytes) -> tuple[ChatCompletionRequest, list[int], Structure]:
+        req: ChatCompletionRequest = parse(ChatCompletionRequest, parse_json(data), self.limits)
+        self._check_model(req.model)
+        return req, self._chat_prompt(req), self._chat_structure(req)
+
+    def _chat_structure(self, req: ChatCompletionRequest) -> Structure:
+        """(the engine's spec, the field it comes from): a forced tool call's grammar, or the request's own."""
+        if not req.forced_tool_call():
+            return req.structured()
+        assert req.tools is not None
+        name = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else None
+        parallel = req.parallel_tool_calls is not False  # OpenAI's default: true
+        grammar = forced_grammar(self.tool_format, req.tools, name, parallel, self.marker_ids)
+        return {"grammar": grammar}, "tools"
+
     # ----------------------------------------------------------------------------- building jobs
     def _check_model(self, name: str) -> None:
         if name != self.settings.model_name:
-            raise APIError(400, f"model {name!r} is not served here; this server serves {self.settings.model_name!r}",
-                           "model", "model_not_found")
+            raise APIError(400, f"model {short(name)} is not served here; this server serves "
+                           f"{short(self.settings.model_name)}", "model", "model_not_found")
 
-    def _completion_prompts(self, prompt: Any) -> tuple[list[list[int]], list[str]]:
-        """Token ids and text of each prompt (a string, strings, token ids, lists of token ids)."""
-        if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
-            prompt = [prompt]
-        if not prompt:
-            raise APIError(400, "prompt is empty", "prompt", "empty_prompt")
+    def _completion_prompts(self, prompts: list[str] | list[list[int]]) -> tuple[list[list[int]], list[str]]:
+        """Token ids and text of each prompt (validated: non-empty strings or in-vocabulary ids)."""
         ids, texts = [], []
-        for p in prompt:
-            if len(p) == 0:
-                raise APIError(400, "prompt is empty", "prompt", "empty_prompt")
+        for p in prompts:
             if isinstance(p, str):
                 ids.append(self.tokenizer(p)["input_ids"])
                 texts.append(p)
@@ -127,35 +212,27 @@ class Handlers:
         if not template:
             raise APIError(400, "this model has no chat template; start the server with --chat-template FILE",
                            "messages", "no_chat_template")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, chat_template=template, add_generation_prompt=True, tokenize=False
-            )
-        except Exception as exc:  # a template may raise on messages it does not accept (jinja's raise_exception)
-            message = f"the chat template refused the messages: {exc}"
-            raise APIError(400, message, "messages", "invalid_messages") from None
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template writes its own BOS
+        messages = [m.for_template() for m in req.messages]
+        tools = template_tools(req.tools) if req.tools else None
+        return chat_prompt_ids(self.tokenizer, messages, template, tools)  # control-token text in a message stays text
 
-    def _job(self, req: Any, prompts: list[list[int]], limits: list[int], top_logprobs: int | None) -> Job:
+    def _job(self, req: Any, prompts: list[list[int]], limits: list[int], top_logprobs: int | None,
+             prompt_param: str = "prompt", structure: Structure = (None, None)) -> Job:
         for prompt, limit in zip(prompts, limits):
             if len(prompt) + limit > self.context_length:
                 raise APIError(
                     400, f"this model's maximum context length is {self.context_length} tokens; the request asks "
                     f"for {len(prompt) + limit} ({len(prompt)} in the prompt, {limit} to generate)",
-                    "max_tokens", "context_length_exceeded",
+                    prompt_param if len(prompt) >= self.context_length else "max_tokens", "context_length_exceeded",
                 )
         kwargs: dict[str, Any] = {}
-        stop = req.stop_list()
-        engine_stops = bool(stop) and "tokenizer" in self.engine_options  # the engine stops on them too, else only we
         changes = self._sampling_changes(req)
-        if changes or engine_stops:
+        if changes:
             kwargs["generation_config"] = self._generation_config(changes)
         # else the engine's own config serves as it is: a copy, and the engine merging it with the model's
-        # defaults, cost ~0.2 ms of the event loop per request, which a burst of arrivals waits on
-        if engine_stops:
-            kwargs["generation_config"].stop_strings = stop
-            kwargs["tokenizer"] = self.tokenizer
+        # defaults, cost ~0.2 ms of the event loop per request, which a burst of arrivals waits on.
+        # Stop sequences are ours alone (text.IncrementalText, stops.StopMatcher): the engine's
+        # stop_strings would build transformers' vocabulary x length table per distinct string.
         for name, value in (("logprobs", top_logprobs), ("seed", req.seed)):
             if value is None:
                 continue
@@ -163,7 +240,15 @@ class Handlers:
                 raise APIError(400, f"{name} is not supported by this version of hf_paged_attn's engine", name,
                                "unsupported_parameter")
             kwargs[name] = value
-        return Job(prompts, req.n, limits, stop, kwargs, want_logprobs=top_logprobs is not None)
+        spec, param = structure
+        if spec is not None:
+            if not self.structured_ok:
+                raise APIError(400, f"{param}: structured outputs are not available on this server (they need the "
+                               "'structured' extra: pip install 'hf-paged-attn[structured]')", param,
+                               "unsupported_parameter")
+            kwargs.update(structured=spec, tokenizer=self.tokenizer)
+        return Job(prompts, req.n, limits, req.stop_list(), kwargs, want_logprobs=top_logprobs is not None,
+                   structured_param=param)
 
     def _sampling_changes(self, req: Any) -> dict[str, Any]:
         """The generation-config fields the request sets to something other than the engine's."""
@@ -185,24 +270,28 @@ class Handlers:
         config.num_return_sequences = 1
         return config
 
-    def _start(self, job: Job) -> JobRun:
+    async def _start(self, job: Job) -> JobRun:
         num_new = len(job.prompts) * job.n
         if self.loop.num_unfinished + num_new > self.settings.max_queue:
             raise APIError(429, f"the server's queue is full ({self.settings.max_queue} requests); retry later",
                            None, "queue_full")
         run = JobRun(job, self.loop, self.tokenizer)
-        run.submit()
+        if "structured" not in job.engine_kwargs:
+            run.submit()  # ~0.2 ms: on the event loop, no thread hop
+            return run
+        # The engine compiles the grammar inside add_request: off the event loop (see __init__ for which thread).
+        pool = self._grammar_pool if self._grammars_ready else self._pool
+        future = asyncio.get_running_loop().run_in_executor(pool, run.submit)
+        try:
+            await asyncio.shield(future)
+        except asyncio.CancelledError:  # our caller went away: what was queued must not run unheard
+            future.add_done_callback(lambda _: run.abort())
+            raise
+        self._grammars_ready = True
         return run
 
 
 # --------------------------------------------------------------------------------- responses
-async def _json(request: Request) -> Any:
-    try:
-        return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"the request body is not valid JSON: {exc}", None, "invalid_json") from None
-
-
 async def _collect(run: JobRun, request: Request) -> list[ChoiceEvent]:
     """Every event of ``run``; if the client disconnects first, abort it (no response to send)."""
 
@@ -254,9 +343,12 @@ def _sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
     async def body() -> AsyncIterator[str]:
         try:
             async for chunk in chunks:
-                yield f"data: {json.dumps(chunk)}\n\n"
+                yield f"data: {dumps(chunk)}\n\n"
         except APIError as exc:  # headers are sent: the error goes in the stream, as OpenAI does
-            yield f"data: {json.dumps(exc.body())}\n\n"
+            yield f"data: {dumps(exc.body())}\n\n"
+        except Exception as exc:  # a bug, not the client's fault: still a well-formed end of stream
+            logger.exception("a stream failed")
+            yield f"data: {dumps(APIError(500, f'internal error: {type(exc).__name__}').body())}\n\n"
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -283,9 +375,13 @@ async def _completion_chunks(
         yield {**base, "choices": [], "usage": _usage(run.job)}
 
 
-async def _chat_chunks(run: JobRun, meta: dict[str, Any], usage: bool) -> AsyncIterator[dict[str, Any]]:
+async def _chat_chunks(
+    run: JobRun, meta: dict[str, Any], usage: bool, tools: ToolCallFormat | None = None
+) -> AsyncIterator[dict[str, Any]]:
+    """The chunks of a streamed chat; with ``tools``, tool calls as OpenAI streams them."""
     base = {**meta, "object": "chat.completion.chunk"}
     extra = {"usage": None} if usage else {}
+    parsers = {choice.index: ToolCallStream(tools) for choice in run.job.choices} if tools is not None else {}
     for choice in run.job.choices:
         first = {"index": choice.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                  "finish_reason": None}
@@ -293,14 +389,22 @@ async def _chat_chunks(run: JobRun, meta: dict[str, Any], usage: bool) -> AsyncI
     async for event in run.events():
         if not (event.text or event.logprobs or event.finish_reason):
             continue
+        deltas: list[dict[str, Any]] = [{"content": event.text} if event.text else {}]
+        finish = event.finish_reason
+        parser = parsers.get(event.choice.index)
+        if parser is not None:  # one chunk per tool-call delta (a call's first one apart), as OpenAI sends them
+            found = parser.feed(event.text, final=finish is not None)
+            deltas = [{"content": found.content}] if found.content else []
+            deltas = deltas + [{"tool_calls": [call]} for call in found.tool_calls] or [{}]
+            if parser.num_calls and finish == "stop":
+                finish = "tool_calls"
+            if not (deltas[0] or event.logprobs or finish):
+                continue
         logprobs = _chat_logprobs(event.logprobs) if run.job.want_logprobs else None
-        delta = {"content": event.text} if event.text else {}
-        choice = {"index": event.choice.index, "delta": delta, "logprobs": logprobs,
-                  "finish_reason": event.finish_reason}
-        yield {**base, "choices": [choice], **extra}
+        for i, delta in enumerate(deltas):
+            choice = {"index": event.choice.index, "delta": delta, "logprobs": logprobs if i == 0 else None,
+                      "finish_reason": finish if i == len(deltas) - 1 else None}
+            yield {**base, "choices": [choice], **extra}
     if usage:
         yield {**base, "choices": [], "usage": _usage(run.job)}
 
-
-def error_response(exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)

@@ -17,8 +17,20 @@ from .engine_loop import EngineLoop
 from .protocol import APIError
 from .text import IncrementalText, make_decoder
 
-# The engine's finish reasons in OpenAI's words: "stop" for EOS and stop strings, "length" for max_tokens.
+# The engine's finish reasons in OpenAI's words: "stop" for EOS, stop strings and a complete structured
+# output, "length" for max_tokens.
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+# How the engine's ValueError for a structured spec it cannot compile begins (runtime/structured.py:
+# the spec's field, e.g. 'json: Unimplemented keys: ["uniqueItems"]').
+STRUCTURED_ERRORS = ("json", "regex", "choice", "grammar", "StructuredSpec", "structured")
+# What a log-probability of -inf (a token the sampling settings exclude, e.g. outside top_p) is shown
+# as: JSON has no infinity, and vLLM answers the same finite stand-in.
+MIN_LOGPROB = -9999.0
+
+
+def finite_logprob(value: float) -> float:
+    """``value``, or MIN_LOGPROB for -inf (and nan, which no sampler should produce)."""
+    return value if value >= MIN_LOGPROB else MIN_LOGPROB
 
 
 @dataclass
@@ -54,8 +66,9 @@ class ChoiceEvent:
 class Job:
     """``prompts`` x ``n`` engine requests with the same sampling settings.
 
-    ``engine_kwargs`` go to ``engine.add_request`` (generation_config, logprobs, seed, tokenizer);
-    a ``seed`` is offset by the choice's index so that ``n`` seeded choices differ.
+    ``engine_kwargs`` go to ``engine.add_request`` (generation_config, logprobs, seed, tokenizer,
+    structured); a ``seed`` is offset by the choice's index so that ``n`` seeded choices differ.
+    ``structured_param``: the request field a structured spec comes from (named in its errors).
     """
 
     prompts: list[list[int]]
@@ -64,6 +77,7 @@ class Job:
     stop: list[str]
     engine_kwargs: dict[str, Any]
     want_logprobs: bool = False
+    structured_param: str | None = None
     choices: list[Choice] = field(default_factory=list)
 
     @property
@@ -76,9 +90,10 @@ class Job:
 
 
 class JobRun:
-    """``job`` on the engine: ``submit`` (raises APIError, queues nothing on failure), then
-    iterate ``events`` until every choice has finished. Choices left unfinished when ``events``
-    stops (client gone, task cancelled) or on ``abort`` are aborted in the engine."""
+    """``job`` on the engine: ``submit`` (raises APIError, queues nothing on failure; may run in
+    another thread than the event loop's), then iterate ``events`` until every choice has finished.
+    Choices left unfinished when ``events`` stops (client gone, task cancelled) or on ``abort`` are
+    aborted in the engine."""
 
     def __init__(self, job: Job, loop: EngineLoop, tokenizer: Any) -> None:
         self.job = job
@@ -101,6 +116,10 @@ class JobRun:
                     job.choices.append(choice)
         except (ValueError, NotImplementedError) as exc:  # the engine refused it: the whole request fails
             self.abort()
+            param = job.structured_param if job.structured_param and str(exc).startswith(STRUCTURED_ERRORS) else None
+            if param is not None:
+                raise APIError(400, f"{param}: the output cannot be constrained to this: {exc}", param,
+                               "invalid_structured_output") from None
             raise APIError(400, str(exc), None, "invalid_request") from None
         except RuntimeError as exc:  # shutting down
             self.abort()
@@ -116,8 +135,8 @@ class JobRun:
                 event = _event(choice, out, self.decode)
                 if event.finish_reason is not None:
                     num_open -= 1
-                    if not out.finished:  # our stop sequence ended it before the engine knew
-                        self.loop.abort(choice.request_id)
+                    if not out.finished:  # our stop sequence ended it: the engine never sees stop sequences
+                        self.loop.abort(choice.request_id, reason="stop")
                 yield event
         finally:
             self.abort()
@@ -146,7 +165,7 @@ def _event(choice: Choice, out: Any, decode: Callable[[list[int]], str]) -> Choi
         for entry in out.logprobs[-len(out.new_ids) :]:
             token = decode([entry.token_id])
             if choice.offset < len(choice.text.text) or not choice.text.stopped:  # drop what the stop cut off
-                top = [(decode([t]), lp) for t, lp in entry.top]
-                event.logprobs.append(TokenInfo(token, entry.logprob, choice.offset, top))
+                top = [(decode([t]), finite_logprob(lp)) for t, lp in entry.top]
+                event.logprobs.append(TokenInfo(token, finite_logprob(entry.logprob), choice.offset, top))
             choice.offset += len(token)
     return event

@@ -65,14 +65,16 @@ class ServeMetrics:
         )
         self.registry.register(_EngineCollector(stats))
 
-    def record_step(self, outputs: list[Any]) -> None:
-        """Called by the engine thread after every step (prometheus_client is thread-safe)."""
+    def record_step(self, outputs: list[Any], relabel: dict[str, str] | None = None) -> None:
+        """Called by the engine thread after every step (prometheus_client is thread-safe).
+        ``relabel``: request id -> the finish reason to count instead of the engine's."""
         num_new = sum(len(out.new_ids) for out in outputs)
         if num_new:
             self.generation_tokens.inc(num_new)
         for out in outputs:
             if out.finished:
-                self.requests_finished.labels(finish_reason=out.finish_reason or "unknown").inc()
+                reason = (relabel or {}).get(out.request_id) or out.finish_reason or "unknown"
+                self.requests_finished.labels(finish_reason=reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

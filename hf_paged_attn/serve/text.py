@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from .stops import StopMatcher
+
 REPLACEMENT = "\ufffd"  # what a tokenizer decodes half a UTF-8 character to
 
 
@@ -34,7 +36,12 @@ def make_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
 
 
 class IncrementalText:
-    """Decode a growing list of token ids into text deltas, stopping at the first stop sequence."""
+    """Decode a growing list of token ids into text deltas, stopping at the first stop sequence.
+
+    Text is decided once it is followed by no incomplete character: the stop matcher sees each
+    decided character once. What could still turn into a stop sequence is held back until the next
+    tokens decide it (or the last output, which sends everything).
+    """
 
     def __init__(self, decode: Callable[[list[int]], str], stop: list[str]) -> None:
         self.decode = decode
@@ -43,7 +50,7 @@ class IncrementalText:
         self.text = ""  # everything decided so far (sent or ready to send)
         self.num_sent = 0
         self.stopped = False  # a stop sequence was found: no more text, whatever arrives
-        self._searched = 0  # stop sequences cannot start before this index of the full text
+        self._matcher = StopMatcher(stop)
 
     def add(self, new_ids: list[int], final: bool = False) -> str:
         """Take the next tokens; return the text that is now safe to send (maybe "")."""
@@ -51,30 +58,14 @@ class IncrementalText:
             return ""
         self.ids += new_ids
         full = self.decode(self.ids)
-        cut = self._find_stop(full)
+        decided = len(full) if final else len(full.rstrip(REPLACEMENT))
+        fed = self._matcher.num_fed
+        cut = self._matcher.feed(full[fed:decided]) if decided > fed else None
         if cut is not None:
             full, self.stopped = full[:cut], True
         elif not final:
-            full = full[: len(full) - self._held_back(full)]
+            full = full[: decided - self._matcher.num_partial]
         self.text = full
         delta = full[self.num_sent :]
-        self.num_sent = len(full)
+        self.num_sent = max(self.num_sent, len(full))
         return delta
-
-    def _find_stop(self, full: str) -> int | None:
-        if not self.stop:
-            return None
-        hits = [i for i in (full.find(s, self._searched) for s in self.stop) if i >= 0]
-        longest = max(len(s) for s in self.stop)
-        self._searched = max(0, len(full.rstrip(REPLACEMENT)) - longest + 1)
-        return min(hits) if hits else None
-
-    def _held_back(self, full: str) -> int:
-        """Characters at the end of ``full`` not yet safe to send."""
-        unsure = len(full) - len(full.rstrip(REPLACEMENT))
-        for s in self.stop:  # the longest suffix that is a proper prefix of a stop sequence
-            for k in range(min(len(s) - 1, len(full)), unsure, -1):
-                if full.endswith(s[:k]):
-                    unsure = k
-                    break
-        return unsure

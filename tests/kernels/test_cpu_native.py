@@ -1,6 +1,7 @@
-"""The native CPU decode kernel (hf_paged_attn/kernels/cpu_native.py): that it is built and really
-runs, its threads, its guards and its fallbacks. Its numerics against the reference are tested in
-test_kernels_torch.py (every decode test runs with and without it)."""
+"""The native CPU attention kernels (hf_paged_attn/kernels/cpu_native.py): that they are built and really
+run, their threads, guards and fallbacks. Their numerics against the float64 reference, on every
+instruction set this CPU has, are in test_kernels_cpu_native_numerics.py; test_kernels_torch.py runs the
+torch backend's decode with and without them."""
 
 from __future__ import annotations
 
@@ -49,8 +50,8 @@ def test_the_kernel_builds_and_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     case = _case()
     pages = {name: case[name].clone() for name in ("k_cache", "v_cache")}
     out = _native(case)
-    assert out is not None and len(list(tmp_path.glob("cpu_decode-*.so"))) == 1
-    built = next(tmp_path.glob("cpu_decode-*.so"))
+    assert out is not None and len(list(tmp_path.glob("cpu_attention-*.so"))) == 1
+    built = next(tmp_path.glob("cpu_attention-*.so"))
     assert cpu_native.build() == built and built.stat().st_mtime_ns == next(tmp_path.glob("*.so")).stat().st_mtime_ns
     for b, n in enumerate(case["cache_seqlens"].tolist()):
         keys = reference.gather_pages(case["k_cache"], case["block_table"][b], n + 1)
@@ -128,3 +129,48 @@ def test_shapes_that_do_not_agree_raise_before_the_c_code_runs() -> None:
     case["k"] = case["k"][:, :, :1]  # one KV head instead of two
     with pytest.raises(ValueError, match="new K/V"):
         _native(case)
+
+
+@needs_compiler
+def test_an_unknown_isa_is_refused() -> None:
+    with pytest.raises(ValueError, match="isa must be one of"):
+        _native(_case(7), isa="avx9000")
+
+
+@needs_compiler
+def test_the_best_isa_follows_the_cpu_flags() -> None:
+    """cpuid in the C code agrees with the kernel's flags in /proc/cpuinfo (where there is one)."""
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags")
+    words = set(flags.split(":", 1)[1].split())
+    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "avx2"} <= words
+    expected = "avx512bf16" if avx512 and "avx512_bf16" in words else "avx512" if avx512 else "portable"
+    assert cpu_native.best_isa() == expected
+
+
+@needs_compiler
+def test_a_compiler_without_the_x86_kernels_still_builds_the_portable_ones(tmp_path: Path) -> None:
+    """``-DHF_PAGED_ATTN_PORTABLE_ONLY`` (the retry when the AVX-512 intrinsics do not compile) builds a library
+    that runs the portable kernels, with the same answers."""
+    import ctypes
+    import subprocess
+
+    target = tmp_path / "portable.so"
+    subprocess.run(["cc", cpu_native.PORTABLE_ONLY, *cpu_native.FLAGS, "-o", str(target), str(cpu_native.SOURCE),
+                    "-lm", "-lpthread"], check=True, capture_output=True, timeout=120)  # fmt: skip
+    lib = ctypes.CDLL(str(target))
+    assert lib.attention_best_isa() == cpu_native.ISAS["portable"]
+
+
+def test_prefill_refuses_what_it_cannot_read() -> None:
+    q = torch.randn(5, 4, 64)
+    pages = torch.randn(6, 8, 2, 64)
+    cu_q, used, table = torch.tensor([0, 5], dtype=torch.int32), torch.tensor([5], dtype=torch.int32), torch.zeros(1, 2)
+    args = (0.125, -1, 0.0, None, 5)
+    assert cpu_native.paged_prefill(q.half(), pages.half(), pages.half(), cu_q, used, table.int(), *args) is None
+    assert cpu_native.paged_prefill(q, pages, pages, cu_q, used, table.long(), *args) is None  # int64 table
+    strided = pages.transpose(1, 2).contiguous().transpose(1, 2)
+    assert cpu_native.paged_prefill(q, strided, strided, cu_q, used, table.int(), *args) is None
+    with pytest.raises(ValueError, match="block_table"):
+        cpu_native.paged_prefill(q, pages, pages, cu_q, used, table.int()[:0], *args)

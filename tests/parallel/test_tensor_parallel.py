@@ -140,6 +140,12 @@ def test_sampling_happens_once_on_rank_0(run):
     assert r0["sampled"] != greedy(reference(run[0]["llama"]), r0["scenario_rows"][:3])  # really sampled
 
 
+def test_generate_batch_runs_once_and_every_rank_gets_it(run):
+    r0, r1 = (r["llama"] for r in run[1])
+    assert r0["generate_batch"] == r1["generate_batch"]
+    assert not matches_one_process(run[0]["llama"], r0["scenario_rows"][:3], r0["generate_batch"])
+
+
 def test_ranks_agree_on_the_smallest_cache_and_preempt_in_it(run):
     r0, r1 = (r["llama"] for r in run[1])
     assert r1["own_fit"] == 6 < r0["own_fit"]  # rank 1 alone would make 6 blocks, rank 0 many more

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, GenerationConfig
 
 import hf_paged_attn  # noqa: F401  registers "paged"
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
@@ -58,6 +58,10 @@ def llama_scenarios(model, rank: int) -> dict:
     torch.manual_seed(1234 + rank)
     seen["sampled"] = generated(model, rows[:3], do_sample=True, temperature=1.5, top_k=0)
     seen["rng_after"] = torch.rand(()).item()
+    # transformers' generate_batch: rank 0's engine, every rank gets the outputs
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False)
+    outputs = model.generate_batch(rows[:3], generation_config=config)
+    seen["generate_batch"] = [o.generated_tokens for o in outputs.values()]
 
     # rank 1 sees little free memory: the cache is what rank 1 holds, small enough to preempt
     free = memory.free_memory_bytes

@@ -2,7 +2,7 @@
 
 Both models are loaded with the same explicit map (``offload_folder`` in a temp dir), so accelerate's
 hooks move inputs and weights at forward time in the reference as in the paged model. On a machine
-without GPUs every layer executes on the CPU; ``scripts/gpu_check.py`` (mixed/*) runs layers on two
+without GPUs every layer executes on the CPU; ``scripts/gpu_check/`` (mixed/*) runs layers on two
 devices at once.
 """
 

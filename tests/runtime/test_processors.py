@@ -1,4 +1,4 @@
-"""Batched logits processors (``runtime/processors.py``) against transformers' own.
+"""Batched logits processors (``runtime/processors/``) against transformers' own.
 
 The reference is what transformers' ``generate`` computes: each processor built as ``generate``
 builds it for a batch (left padding, ``prompt_ignore_length`` from the attention mask, the padded

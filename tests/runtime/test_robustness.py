@@ -299,3 +299,46 @@ def test_threads_add_and_abort_while_one_thread_streams(llama_pair):
         if "unknown" in abort_answers[rid]:  # abort() came after the final output
             assert final.finish_reason == "length" or True in abort_answers[rid]
     assert_no_leak(engine)
+
+
+def test_seeded_sequences_draw_the_same_whatever_runs_beside_them(llama_pair):
+    """``seed=`` with ``num_return_sequences``: each sequence has a generator of its own, so its
+    tokens do not depend on the siblings or strangers the scheduler runs (or preempts) beside it."""
+    _, paged = llama_pair
+    config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, num_return_sequences=3)
+    prompt = ragged_prompts(1, 9, 9, seed=21)[0]
+
+    def run(engine: ContinuousBatchingEngine, crowd: int) -> list[list[int]]:
+        ids = [engine.add_request(p, max_new_tokens=12) for p in ragged_prompts(crowd, 5, 20, seed=22)]
+        mine = engine.add_request(prompt, max_new_tokens=12, generation_config=config, seed=5)
+        outs = engine.collect([mine, *ids])
+        return [o.output_ids for o in outs[:3]]
+
+    alone = run(ContinuousBatchingEngine(paged, PagedConfig(block_size=4, num_blocks=256)), crowd=0)
+    tight = ContinuousBatchingEngine(paged, PagedConfig(block_size=4, num_blocks=24, max_batch_tokens=16))
+    crowded = run(tight, crowd=6)
+    assert tight.stats.num_preemptions > 0, "the crowd did not force a preemption"
+    assert crowded == alone
+    assert len({tuple(s) for s in alone}) > 1, "the sequences drew the same tokens: not independent"
+
+
+def test_a_failing_neighbour_does_not_redraw_a_seeded_request(llama_pair):
+    """A caller's processor that raises in a step fails its request alone: the seeded requests
+    sampled in that step draw once, as they would alone (the whole step used to be resampled row by
+    row after a failure, drawing their generators twice)."""
+    _, paged = llama_pair
+
+    class Boom(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            raise RuntimeError("boom")
+
+    config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0)
+    prompt = ragged_prompts(1, 7, 7, seed=31)[0]
+    alone = ContinuousBatchingEngine(paged, PagedConfig(block_size=4, num_blocks=64))
+    want = alone.collect([alone.add_request(prompt, max_new_tokens=6, generation_config=config, seed=9)])[0]
+    engine = ContinuousBatchingEngine(paged, PagedConfig(block_size=4, num_blocks=64))
+    mine = engine.add_request(prompt, max_new_tokens=6, generation_config=config, seed=9)
+    bad = engine.add_request(prompt, max_new_tokens=6, logits_processor=LogitsProcessorList([Boom()]))
+    got, failed = engine.collect([mine, bad])
+    assert failed.finish_reason == "error" and "boom" in failed.error
+    assert got.output_ids == want.output_ids

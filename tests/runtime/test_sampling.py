@@ -34,11 +34,21 @@ def test_batch_key_groups_equal_row_free_sampling(model) -> None:  # noqa: ANN00
     b = _request(model, do_sample=True, temperature=0.8, top_p=0.9, top_k=50).sampling.batch_key
     c = _request(model, do_sample=True, temperature=0.7, top_p=0.9, top_k=50).sampling.batch_key
     assert a is not None and a == b and a != c
-    # rows that need their own work: history-reading processors, a seed, log-probs, the caller's processors
-    assert _request(model, do_sample=True, repetition_penalty=1.2).sampling.batch_key is None
+    # processors that read the ids stack too (their plans' keys), per-row settings left out of the key
+    def key(**options) -> tuple | None:  # noqa: ANN003
+        return _request(model, do_sample=True, **options).sampling.batch_key
+
+    d = key(repetition_penalty=1.2, min_new_tokens=3)
+    assert d is not None and d == key(repetition_penalty=1.2, min_new_tokens=7)
+    assert d != key(repetition_penalty=1.3, min_new_tokens=3)
+    # a caller's processor stacks only with its very instance
+    shift = LogitsProcessorList([_Shift()])
+    assert _request(model, shift).sampling.batch_key == _request(model, shift).sampling.batch_key
+    other = LogitsProcessorList([_Shift()])
+    assert _request(model, shift).sampling.batch_key != _request(model, other).sampling.batch_key
+    # rows that need their own work: a seed, log-probs
     assert _request(model, seed=3, do_sample=True).sampling.batch_key is None
     assert _request(model, logprobs=2, do_sample=True).sampling.batch_key is None
-    assert _request(model, LogitsProcessorList([_Shift()]), do_sample=True).sampling.batch_key is None
 
 
 def test_draw_follows_the_distribution_and_never_draws_a_zero() -> None:

@@ -386,3 +386,15 @@ def test_bad_arguments(tok, compiler) -> None:  # noqa: ANN001
         apply_bitmask(torch.zeros(2, VOCAB), compiler.allocate_bitmask(1))
     with pytest.raises(ValueError, match="bitmask covers 4096 tokens, logits have 4097"):
         apply_bitmask(torch.zeros(1, VOCAB + 1), compiler.allocate_bitmask(1))
+
+
+def test_a_schema_nested_past_the_stack_is_a_value_error():
+    from hf_paged_attn.runtime.structured import StructuredSpec
+
+    deep: dict = {}
+    node = deep
+    for _ in range(5000):
+        node["items"] = {}
+        node = node["items"]
+    with pytest.raises(ValueError, match="json: the schema is not JSON-serializable"):
+        StructuredSpec(json=deep)

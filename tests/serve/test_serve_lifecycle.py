@@ -72,11 +72,32 @@ def test_health_and_metrics_need_no_key(server):
 
 def test_a_full_queue_gets_429(server):
     client = make_client(server, KEY)
-    with pytest.raises(openai.RateLimitError) as info:  # 3 choices > a queue of 2
-        client.completions.create(model=str(DEMO_MODEL), prompt="A list is", max_tokens=2, n=3)
+    busy = client.completions.create(model=str(DEMO_MODEL), prompt="A list is", max_tokens=600, n=2, stream=True)
+    chunks = iter(busy)
+    next(chunks)  # both choices are in the engine: the queue of 2 is full
+    with pytest.raises(openai.RateLimitError) as info:
+        client.completions.create(model=str(DEMO_MODEL), prompt="A list is", max_tokens=2)
     assert info.value.status_code == 429 and info.value.body["code"] == "queue_full"
-    out = client.completions.create(model=str(DEMO_MODEL), prompt="A list is", max_tokens=2, n=2)
+    busy.close()  # hang up: both choices are aborted
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            out = client.completions.create(model=str(DEMO_MODEL), prompt="A list is", max_tokens=2, n=2)
+            break
+        except openai.RateLimitError:  # the aborts reach the engine at its next step
+            assert time.monotonic() < deadline, "the queue leaked"
+            time.sleep(0.05)
     assert len(out.choices) == 2  # the queue did not leak
+
+
+def test_a_request_larger_than_the_queue_gets_400_not_429(server):
+    client = make_client(server, KEY)
+    for kwargs in ({"n": 3}, {"prompt": ["a", "b", "c"]}):  # 3 generations can never fit a queue of 2
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(**{"model": str(DEMO_MODEL), "prompt": "A list is", "max_tokens": 2, **kwargs})
+        body = info.value.body
+        assert body["code"] == "too_many_choices" and "at most 2" in body["message"]
+        assert body["param"] == ("n" if "n" in kwargs else "prompt")
 
 
 def test_sigterm_drains_running_requests_and_exits_0(server):

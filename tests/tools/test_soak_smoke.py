@@ -28,18 +28,19 @@ def soak() -> Iterator[ModuleType]:
         sys.modules.pop(name, None)
 
 
-def test_soak_main_with_60_requests(soak, tmp_path, capsys):
+def test_soak_main_with_80_mixed_requests(soak, tmp_path, capsys):
     report_path = tmp_path / "soak.json"
-    argv = ["--requests", "60", "--abort-rate", "0.2", "--abort-within", "20", "--check", "5"]
+    argv = ["--requests", "80", "--abort-rate", "0.2", "--abort-within", "20"]
     assert soak.main([*argv, "--json", str(report_path)]) == 0
     assert "RESULT: PASS" in capsys.readouterr().out
     report = json.loads(report_path.read_text())
-    assert report["ok"] and report["requests"] == 60
-    assert report["completed"] + report["aborted"] == 60 and report["errors"] == 0
+    assert report["ok"] and report["requests"] == 80 and report["errors"] == 0
+    assert set(report["kinds"]) == {"greedy", "sampled", "family", "beam", "constrained", "speculative", "failing"}
     assert report["leaked_blocks"] == 0 and not report["block_problems"] and not report["terminal_problems"]
     # the run exercised what the soak is for
     assert report["preemptions"] > 0 and report["aborted"] > 0 and report["prefix_hit_rate"] > 0
-    assert report["parity_checked"] == 5 and not report["parity_problems"]
+    assert report["planted_errors"] > 0  # a caller's failing processor failed its request alone
+    assert report["alone_checked"] >= report["completed"] - 10 and not report["alone_problems"]
 
 
 def test_soak_fails_on_a_leaked_block(soak, monkeypatch):
@@ -56,5 +57,5 @@ def test_soak_fails_on_a_leaked_block(soak, monkeypatch):
         remove(self, request)
 
     monkeypatch.setattr(Scheduler, "remove", leaky_remove)
-    report = soak.run_soak(soak.SoakConfig(requests=40, abort_rate=0.5, abort_within=10, check=0))
+    report = soak.run_soak(soak.SoakConfig(requests=40, abort_rate=0.5, abort_within=10, check=0, mix="greedy=1"))
     assert not report.ok and report.leaked_blocks > 0 and report.block_problems

@@ -1,6 +1,6 @@
 """The torch backend's decode path (one query token per request) over a paged cache.
 
-On CPU it first tries the native kernel (``cpu_native``, ``kernels/cpu_decode.c``), which reads the
+On CPU it first tries the native kernel (``cpu_native``, ``kernels/cpu_attention.c``), which reads the
 pages in place; what follows is the torch-ops path it falls back to (no C compiler, float16,
 ``HF_PAGED_ATTN_NATIVE=0``) and the path on CUDA:
 

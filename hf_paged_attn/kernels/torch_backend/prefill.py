@@ -1,9 +1,9 @@
 """The torch backend's varlen path, reading the pages (the cache writes a step's new K/V with
-``write_kv`` and gathers nothing). On CPU, requests that feed a few tokens (decodes next to a
-prefill, speculative verification's ``1 + k`` rows) are attended in place by the native decode
-kernel, each query row as its own one-query row whose keys end at its own position (the causal
-mask, bottom-right aligned); the prefilling requests' visible keys are gathered from the pages and
-attended by ``varlen_attention``.
+``write_kv``). On CPU the native kernel (``cpu_native.paged_prefill``) attends every request in
+place, tiled flash-attention style. Where it can't run (no C compiler, float16,
+``HF_PAGED_ATTN_NATIVE=0``, CUDA), requests that feed one token in a mixed step are attended by the
+native decode kernel if it can, and the prefilling requests' visible keys are gathered from the
+pages and attended by ``varlen_attention``.
 """
 
 from __future__ import annotations
@@ -14,10 +14,6 @@ import torch
 
 from .. import cpu_native
 from .varlen import varlen_attention
-
-# Requests of at most this many queries are attended in place, row by row (CPU, native kernel):
-# speculative verification's 1 + k rows. A 5-query row of 105 keys: 0.03 ms against 0.17 ms gathered.
-MAX_IN_PLACE_QUERIES = 16
 
 
 def write_kv(
@@ -32,9 +28,9 @@ def write_kv(
 class _PagedVarlenPlan:
     """Layer-independent part of ``paged_prefill_attention`` for one forward (its ``memo``)."""
 
-    one_rows: torch.Tensor | None  # [n] query rows attended in place, each as a one-query request
+    one_rows: torch.Tensor | None  # [n] query rows of the requests attended in place (one query each)
     one_lens: torch.Tensor | None  # [n] int32 keys each attends
-    one_table: torch.Tensor | None  # [n, W] int32 their requests' block tables
+    one_table: torch.Tensor | None  # [n, W] int32 their block tables
     one_max: int
     rows: torch.Tensor | None  # [Nq] query rows of the gathered requests, packed
     slots: torch.Tensor | None  # [K] flat slots of their visible keys, packed
@@ -50,25 +46,20 @@ def _paged_varlen_plan(
     block_size: int,
     window_left: int,
     in_place: bool,
-    causal: bool = True,
 ) -> _PagedVarlenPlan:
-    """Which requests are attended in place (``in_place``: up to ``MAX_IN_PLACE_QUERIES`` query rows
-    each under a causal mask, else one) and which gathered: for those, the slots of the keys their
-    queries can see (from the first query's window on: the blocks before it may already be freed)."""
+    """Which requests are attended in place (``in_place``: one query each) and which gathered: for
+    those, the slots of the keys their queries can see (from the first query's window on: the
+    blocks before it may already be freed)."""
     cu_q, used = cu_seqlens_q.tolist(), seqused_k.tolist()
     q_lens = [b - a for a, b in zip(cu_q, cu_q[1:])]
-    most = (MAX_IN_PLACE_QUERIES if causal else 1) if in_place else 0  # rows in place: a causal mask's
-    ones = [b for b, n in enumerate(q_lens) if 0 < n <= most and used[b] > 0]
-    gathered = [b for b, n in enumerate(q_lens) if n > most and used[b] > 0]
+    ones = [b for b, n in enumerate(q_lens) if n == 1 and used[b] > 0] if in_place else []
+    gathered = [b for b, n in enumerate(q_lens) if n > (1 if in_place else 0) and used[b] > 0]
     device = block_table.device
     plan = _PagedVarlenPlan(None, None, None, 0, None, None, None, None, {})
     if ones:
-        index = torch.tensor([b for b in ones for _ in range(q_lens[b])], device=device)  # [n] each row's request
-        plan.one_rows = torch.tensor([row for b in ones for row in range(cu_q[b], cu_q[b + 1])], device=device)
-        # query i of a request's q_len sees its keys up to its own position: used - q_len + i + 1
-        plan.one_lens = torch.tensor(
-            [used[b] - q_lens[b] + i + 1 for b in ones for i in range(q_lens[b])], dtype=torch.int32, device=device
-        )
+        index = torch.tensor(ones, device=device)
+        plan.one_rows = torch.tensor([cu_q[b] for b in ones], device=device)
+        plan.one_lens = seqused_k[index].to(torch.int32).contiguous()
         plan.one_table = block_table[index].to(torch.int32).contiguous()
         plan.one_max = max(used[b] for b in ones)
     if gathered:
@@ -107,6 +98,14 @@ def paged_prefill_attention(
     q [total_q, H, D], pages [num_blocks, block_size, H_kv, D], block_table int32 [B, W].
     ``max_seqlen_k`` is accepted for the protocol only. ``memo``: the forward's dict, as in
     ``paged_decode_attention``. Returns [total_q, H, D] in q.dtype."""
+    # The native kernel ignores the right side of a window, which only a non-causal call sees.
+    if q.device.type == "cpu" and (causal or window_size[1] < 0):
+        if max_seqlen_q is None:
+            max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if cu_seqlens_q.numel() > 1 else 0
+        out = cpu_native.paged_prefill(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, softmax_scale,
+                                       window_size[0], softcap, sinks, max_seqlen_q, causal=causal)  # fmt: skip
+        if out is not None:
+            return out
     block_size = k_cache.shape[1]
     window = tuple(window_size)
     native_dtype = q.dtype in (torch.float32, torch.bfloat16)
@@ -114,7 +113,7 @@ def paged_prefill_attention(
     key = ("paged_varlen", block_size, causal, window, in_place)
     plan = memo.get(key) if memo is not None else None
     if plan is None:
-        plan = _paged_varlen_plan(cu_seqlens_q, seqused_k, block_table, block_size, window[0], in_place, causal)
+        plan = _paged_varlen_plan(cu_seqlens_q, seqused_k, block_table, block_size, window[0], in_place)
         if memo is not None:
             memo[key] = plan
     out = torch.zeros_like(q)  # [total_q, H, D]; requests without keys or queries stay zeros
@@ -124,7 +123,7 @@ def paged_prefill_attention(
             softmax_scale, window[0], softcap, sinks, plan.one_max,
         )  # fmt: skip
         if one is None:  # a layout the native kernel does not read: this step gathers everything
-            plan = _paged_varlen_plan(cu_seqlens_q, seqused_k, block_table, block_size, window[0], False, causal)
+            plan = _paged_varlen_plan(cu_seqlens_q, seqused_k, block_table, block_size, window[0], False)
             if memo is not None:
                 memo[key] = plan
         else:

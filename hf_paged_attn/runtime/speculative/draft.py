@@ -202,9 +202,9 @@ class DraftProposer:
             if not params.do_sample:
                 continue
             scores = logits[row : row + 1]
-            if params.processors:
+            if params.plan.steps:
                 ids = torch.empty(1, 0, dtype=torch.long, device=scores.device)
-                scores = params.processors(ids, scores.clone())
+                scores = params.plan.row_free_tail(ids, scores.clone())
             prob = torch.softmax(scores, dim=-1)
             tokens[row] = int(draw(prob, params.generator or generator))
             probs[row] = prob[0]

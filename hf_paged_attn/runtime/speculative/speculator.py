@@ -10,9 +10,10 @@
 
 Verification is ``verify.py``, from ``Updater.apply``. A request speculates when its own generation
 config asks (``prompt_lookup_num_tokens``) or the engine's ``PagedConfig.speculative`` does, and it
-is not a beam search and every logits processor of it leaves the ids alone (temperature, top-k,
-top-p, min-p, typical, epsilon): verification runs them on ``k + 1`` rows at once, which a processor
-that reads the history, or one of the caller's, would see out of order. Other requests decode as
+is not a beam search, a row of ``generate``'s lockstep batch (a caller's processors) or a constrained
+request, and every step of its processor plan leaves the ids alone (temperature, top-k, top-p,
+min-p, typical, epsilon): verification runs them on ``k + 1`` rows at once, which a processor that
+reads the history, or one of the caller's, would see out of order. Other requests decode as
 usual beside the speculating ones.
 """
 
@@ -28,7 +29,6 @@ from ...core.layers import LayerKinds
 from ...core.request import Request, Status
 from ...core.scheduler import SchedulerOutput
 from ...kernels.base import AttentionBackend
-from ..sampling import ROW_FREE_PROCESSORS
 from .adaptive import PROBE_ANY_BATCH, PROBE_STEP, Acceptance, allocate
 from .config import METHODS, RequestSpeculation, SpeculativeConfig, request_speculation
 from .draft import DraftProposer
@@ -180,8 +180,12 @@ class Speculator:
         reason = None
         if request.group is not None:
             reason = "beam search"
-        elif any(type(p) not in ROW_FREE_PROCESSORS for p in params.processors):
-            kinds = sorted({type(p).__name__ for p in params.processors if type(p) not in ROW_FREE_PROCESSORS})
+        elif params.lockstep is not None:
+            reason = "a caller's processors or criteria run on generate's whole batch"
+        elif request.matcher is not None:
+            reason = "structured outputs"
+        elif params.plan.tail_start:  # a step before the row-free tail reads the ids (or is the caller's)
+            kinds = sorted({type(step).__name__ for step in params.plan.steps[: params.plan.tail_start]})
             reason = f"logits processors that read the ids ({', '.join(kinds)})"
         elif settings.method == "draft" and self.draft is None:
             reason = "no draft model"

@@ -120,9 +120,9 @@ def _verify(
         tokens = accept_greedy(draft, argmax[first : first + len(draft) + 1])
     else:
         scores = raw
-        if params.processors:  # only processors that never read the ids speculate (speculator.py)
+        if params.plan.steps:  # only plans that never read the ids speculate (speculator.py)
             ids = torch.empty(raw.shape[0], 0, dtype=torch.long, device=raw.device)
-            scores = params.processors(ids, raw.clone())
+            scores = params.plan.row_free_tail(ids, raw.clone())
         if params.do_sample:
             generator = params.generator or updater.generator
             q = state.q if state is not None else None

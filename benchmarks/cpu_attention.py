@@ -1,0 +1,235 @@
+"""The native CPU attention kernels (hf_paged_attn/kernels/cpu_native.py) next to what they replace, in one
+process, calls interleaved round-robin so that the machine's load falls on every column alike:
+
+* decode: the previous native decode kernel (``cpu_decode.c`` at git revision ``--old-rev``, built here)
+  against the new one, and the new one capped to its portable kernels;
+* prefill: ``cpu_native.paged_prefill`` against the torch backend's ``paged_prefill_attention`` with the
+  native kernel off (every prefilling request's keys gathered from the pages, then SDPA);
+* shared-prefix decode: 64 requests on one 512-token prefix, 32-token tails each, with and without the
+  grouping (and the torch backend's own cascade, native off, for reference).
+
+    python benchmarks/cpu_attention.py [--threads N] [--reps R] [--old-rev REV] [--quick]
+
+Shapes: the bundled demo model (H=4, H_kv=2, D=64) and a 28M Llama (H=8, H_kv=4, D=64); block size 16.
+Medians in ms per call (one layer); ratios are old / new (above 1: the new one is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from hf_paged_attn.core.blocks import blocks_for
+from hf_paged_attn.kernels import cpu_native, torch_backend
+
+BLOCK = 16
+SHAPES = {"demo": (4, 2, 64), "llama28m": (8, 4, 64)}  # H, H_kv, D
+
+
+class _OldArgs(ctypes.Structure):
+    """``DecodeArgs`` of the previous cpu_decode.c."""
+
+    _fields_ = [
+        *((name, ctypes.c_void_p) for name in ("q", "out", "k_cache", "v_cache", "k_new", "v_new")),
+        *((name, ctypes.c_void_p) for name in ("seqlens", "table", "sinks")),
+        *((name, ctypes.c_int64) for name in ("batch", "heads", "kv_heads", "dim", "block_size", "width")),
+        ("num_blocks", ctypes.c_int64),
+        *((name, ctypes.c_int64) for name in ("q_sb", "q_sh", "new_sb", "new_sh", "window_left")),
+        ("scale", ctypes.c_float),
+        ("softcap", ctypes.c_float),
+        ("dtype", ctypes.c_int32),
+        ("num_threads", ctypes.c_int32),
+    ]
+
+
+def old_kernel(rev: str) -> Callable[..., torch.Tensor] | None:
+    """The decode kernel as it was at ``rev`` (git), built into a temporary cache; None if git cannot show it."""
+    repo = Path(__file__).resolve().parent.parent
+    shown = subprocess.run(["git", "show", f"{rev}:hf_paged_attn/kernels/cpu_decode.c"], cwd=repo,
+                           capture_output=True, text=True)  # fmt: skip
+    if shown.returncode != 0:
+        print(f"(no old kernel: {shown.stderr.strip()})")
+        return None
+    directory = Path(tempfile.mkdtemp())
+    source = directory / "cpu_decode.c"
+    source.write_text(shown.stdout)
+    lib = ctypes.CDLL(str(cpu_native.build(directory=directory, sources=[source], name="cpu_decode_old")))
+    lib.paged_decode.argtypes = [ctypes.POINTER(_OldArgs)]
+
+    def call(q, k_cache, v_cache, lens, table, scale, threads) -> torch.Tensor:  # noqa: ANN001
+        b, _, h, d = q.shape
+        out = torch.empty_like(q)
+        args = _OldArgs(
+            q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), None, None,
+            lens.data_ptr(), table.data_ptr(), None, b, h, k_cache.shape[2], d, k_cache.shape[1], table.shape[1],
+            k_cache.shape[0], q.stride(0), q.stride(2), 0, 0, -1, scale, 0.0, 0 if q.dtype == torch.float32 else 1,
+            threads,
+        )  # fmt: skip
+        assert lib.paged_decode(ctypes.byref(args)) == 0
+        return out
+
+    return call
+
+
+def compare(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
+    """Median ms per call of each function, called round-robin after one warm-up call each."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(reps):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+
+
+def pages(batch: int, context: int, hk: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    per_seq = blocks_for(context, BLOCK)
+    num_blocks = batch * per_seq
+    table = torch.randperm(num_blocks).view(batch, per_seq).int()  # [B, blocks], shuffled pages
+    k_cache = torch.randn(num_blocks, BLOCK, hk, d).to(dtype)
+    v_cache = torch.randn(num_blocks, BLOCK, hk, d).to(dtype)
+    return k_cache, v_cache, table
+
+
+def bench_decode(shape: str, dtype: torch.dtype, batch: int, context: int, old, reps: int) -> None:  # noqa: ANN001
+    h, hk, d = SHAPES[shape]
+    k_cache, v_cache, table = pages(batch, context, hk, d, dtype)
+    q = torch.randn(batch, 1, h, d).to(dtype)
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    scale = d**-0.5
+    # The same rule for both kernels: threads only above the work threshold.
+    threads = torch.get_num_threads() if batch * h * context * d > cpu_native._THREADED_WORK else 1
+
+    def new(isa: str | None = None) -> Callable[[], object]:
+        return lambda: cpu_native.paged_decode(
+            q, k_cache, v_cache, None, None, lens, table, scale, -1, 0.0, None, context, isa=isa
+        )
+
+    fns = {"new": new(), "portable": new("portable")}
+    if old is not None:
+        fns["old"] = lambda: old(q, k_cache, v_cache, lens, table, scale, threads)
+    ms = compare(fns, reps)
+    ratio = f"{ms['old'] / ms['new']:5.2f}x" if "old" in ms else "  -  "
+    old_ms = ms.get("old", float("nan"))
+    print(f"decode  {shape:8s} {str(dtype)[6:]:8s} B={batch:3d} ctx={context:5d}  old {old_ms:8.3f}"
+          f"  new {ms['new']:8.3f}  portable {ms['portable']:8.3f}  old/new {ratio}")  # fmt: skip
+
+
+def bench_prefill(shape: str, dtype: torch.dtype, name: str, q_lens: list[int], k_lens: list[int], reps: int) -> None:
+    h, hk, d = SHAPES[shape]
+    batch = len(q_lens)
+    k_cache, v_cache, table = pages(batch, max(k_lens), hk, d, dtype)
+    q = torch.randn(sum(q_lens), h, d).to(dtype)  # [total_q, H, D]
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    used = torch.tensor(k_lens, dtype=torch.int32)
+    scale = d**-0.5
+    memo: dict = {}
+
+    def gathered() -> object:
+        os.environ["HF_PAGED_ATTN_NATIVE"] = "0"
+        try:
+            return torch_backend.paged_prefill_attention(
+                q, k_cache, v_cache, cu_q, used, table, max(q_lens), softmax_scale=scale, memo=memo
+            )
+        finally:
+            del os.environ["HF_PAGED_ATTN_NATIVE"]
+
+    def native(isa: str | None = None) -> Callable[[], object]:
+        return lambda: cpu_native.paged_prefill(
+            q, k_cache, v_cache, cu_q, used, table, scale, -1, 0.0, None, max(q_lens), isa=isa
+        )
+
+    ms = compare({"gather+SDPA": gathered, "native": native(), "portable": native("portable")}, reps)
+    print(f"prefill {shape:8s} {str(dtype)[6:]:8s} {name:28s} gather+SDPA {ms['gather+SDPA']:8.3f}"
+          f"  native {ms['native']:8.3f}  portable {ms['portable']:8.3f}"
+          f"  gather/native {ms['gather+SDPA'] / ms['native']:5.2f}x")  # fmt: skip
+
+
+def bench_shared_prefix(shape: str, dtype: torch.dtype, reps: int, old) -> None:  # noqa: ANN001
+    h, hk, d = SHAPES[shape]
+    batch, prefix, tail = 64, 512, 32
+    shared = prefix // BLOCK
+    per_seq = blocks_for(prefix + tail, BLOCK)
+    num_blocks = shared + batch * (per_seq - shared)
+    own = torch.arange(shared, num_blocks).view(batch, per_seq - shared)  # [B, tail blocks]
+    table = torch.cat([torch.arange(shared).expand(batch, shared), own], dim=1).int().contiguous()
+    k_cache = torch.randn(num_blocks, BLOCK, hk, d).to(dtype)
+    v_cache = torch.randn(num_blocks, BLOCK, hk, d).to(dtype)
+    q = torch.randn(batch, 1, h, d).to(dtype)
+    lens = torch.full((batch,), prefix + tail, dtype=torch.int32)
+    scale = d**-0.5
+    info: dict = {}
+    threads = torch.get_num_threads() if batch * h * (prefix + tail) * d > cpu_native._THREADED_WORK else 1
+
+    def new(shared_prefix: bool) -> Callable[[], object]:
+        return lambda: cpu_native.paged_decode(
+            q, k_cache, v_cache, None, None, lens, table, scale, -1, 0.0, None, prefix + tail,
+            shared_prefix=shared_prefix, info=info,
+        )  # fmt: skip
+
+    memo: dict = {}
+
+    def torch_cascade() -> object:
+        os.environ["HF_PAGED_ATTN_NATIVE"] = "0"
+        try:
+            return torch_backend.paged_decode_attention(q, k_cache, v_cache, None, None, lens, table,
+                                                        softmax_scale=scale, memo=memo)  # fmt: skip
+        finally:
+            del os.environ["HF_PAGED_ATTN_NATIVE"]
+
+    fns = {"grouped": new(True), "ungrouped": new(False), "torch cascade": torch_cascade}
+    if old is not None:
+        fns["old"] = lambda: old(q, k_cache, v_cache, lens, table, scale, threads)
+    ms = compare(fns, reps)
+    new(True)()
+    print(
+        f"shared  {shape:8s} {str(dtype)[6:]:8s} 64 x (512 shared + 32 own) groups={info['groups']}  "
+        + "  ".join(f"{k} {v:8.3f}" for k, v in ms.items())
+        + f"  ungrouped/grouped {ms['ungrouped'] / ms['grouped']:5.2f}x"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--old-rev", default="6dfb6fa", help="git revision holding the previous cpu_decode.c")
+    parser.add_argument("--quick", action="store_true", help="the demo model's shapes only")
+    opts = parser.parse_args()
+    torch.set_num_threads(opts.threads)
+    torch.manual_seed(0)
+    old = old_kernel(opts.old_rev)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, native ISA {cpu_native.best_isa()}, "
+          f"block {BLOCK}, median ms per call of {opts.reps}")  # fmt: skip
+    shapes = ["demo"] if opts.quick else list(SHAPES)
+    for shape in shapes:
+        for dtype in (torch.bfloat16, torch.float32):
+            for batch in (1, 16, 64):
+                for context in (128, 512, 2048):
+                    bench_decode(shape, dtype, batch, context, old, opts.reps)
+    for shape in shapes:
+        for dtype in (torch.bfloat16, torch.float32):
+            bench_prefill(shape, dtype, "1 prompt x 512", [512], [512], opts.reps)
+            bench_prefill(shape, dtype, "4 prompts x 128", [128] * 4, [128] * 4, opts.reps)
+            bench_prefill(shape, dtype, "1 prompt x 2048", [2048], [2048], opts.reps)
+            bench_prefill(shape, dtype, "256-token chunk, 1024 cached", [256], [1280], opts.reps)
+            bench_prefill(shape, dtype, "6 prompts of mixed lengths", [17, 60, 128, 200, 311, 90],
+                          [17, 60, 128, 200, 311, 90], opts.reps)  # fmt: skip
+    for shape in shapes:
+        for dtype in (torch.bfloat16, torch.float32):
+            bench_shared_prefix(shape, dtype, opts.reps, old)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""Structured outputs through the engine: every output of sampled requests (temperature 1) on the
+bundled model parses and validates; constrained and free requests share a batch; preemption in
+the middle of a constrained request; ``n > 1``; ``model.generate(structured=...)``."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
+from hf_paged_attn.demo import DEMO_MODEL
+
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("llguidance")
+
+SAMPLED = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+SCHEMAS = {
+    "enum_and_bounds": {
+        "type": "object",
+        "properties": {
+            "color": {"enum": ["red", "green", "blue"]},
+            "size": {"type": "integer", "minimum": 1, "maximum": 9},
+            "name": {"type": "string", "minLength": 1, "maxLength": 6},
+        },
+        "required": ["color", "size", "name"],
+        "additionalProperties": False,
+    },
+    "nested_array_ref": {
+        "$defs": {"point": {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 99}},
+                            "required": ["x"], "additionalProperties": False}},  # fmt: skip
+        "type": "object",
+        "properties": {"points": {"type": "array", "items": {"$ref": "#/$defs/point"}, "minItems": 1, "maxItems": 3}},
+        "required": ["points"],
+        "additionalProperties": False,
+    },
+    "any_of_const_pattern": {
+        "type": "object",
+        "properties": {
+            "kind": {"const": "v1"},
+            "value": {"anyOf": [{"type": "boolean"}, {"type": "string", "pattern": "^[a-z]{1,4}$"}]},
+        },
+        "required": ["kind", "value"],
+        "additionalProperties": False,
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def demo_engine_parts():
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL)
+    model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, attn_implementation="paged").eval()
+    return tokenizer, model
+
+
+def prompt(tokenizer, text: str = "The answer, as JSON:") -> list[int]:
+    return tokenizer(text)["input_ids"]
+
+
+@pytest.mark.parametrize("name", list(SCHEMAS))
+def test_sampled_outputs_validate_against_their_schema(demo_engine_parts, name):
+    tokenizer, model = demo_engine_parts
+    engine = ContinuousBatchingEngine(model, PagedConfig(seed=7))
+    schema = SCHEMAS[name]
+    ids = engine.add_all([dict(input_ids=prompt(tokenizer), max_new_tokens=160, generation_config=SAMPLED,
+                               tokenizer=tokenizer, structured={"json": schema}) for _ in range(6)])  # fmt: skip
+    for out in engine.collect(ids):
+        text = tokenizer.decode(out.output_ids, skip_special_tokens=True)
+        assert out.finish_reason in ("stop", "eos"), (out.finish_reason, text)
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_regex_choice_and_free_requests_share_a_batch(demo_engine_parts):
+    tokenizer, model = demo_engine_parts
+    engine = ContinuousBatchingEngine(model, PagedConfig(seed=3))
+    free_alone = ContinuousBatchingEngine(model, PagedConfig()).generate([prompt(tokenizer, "A list is")], 12)[0]
+    requests = [
+        dict(structured={"regex": r"[0-9]{3}-[a-z]{2}"}),
+        dict(structured={"choice": ["yes", "no", "maybe later"]}),
+        dict(structured={"json_object": True}, max_new_tokens=120),
+        dict(input_ids=prompt(tokenizer, "A list is"), max_new_tokens=12, generation_config=None),  # free, greedy
+    ]
+    ids = engine.add_all([{"input_ids": prompt(tokenizer), "max_new_tokens": 40, "generation_config": SAMPLED,
+                           "tokenizer": tokenizer, **r} for r in requests])  # fmt: skip
+    regex, choice, obj, free = engine.collect(ids)
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", tokenizer.decode(regex.output_ids, skip_special_tokens=True))
+    assert tokenizer.decode(choice.output_ids, skip_special_tokens=True) in ("yes", "no", "maybe later")
+    # any JSON object may be long: complete when it stopped, else cut by max_new_tokens (never an error)
+    assert obj.finish_reason in ("stop", "eos", "length")
+    if obj.finish_reason != "length":
+        assert isinstance(json.loads(tokenizer.decode(obj.output_ids, skip_special_tokens=True)), dict)
+    else:
+        assert tokenizer.decode(obj.output_ids, skip_special_tokens=True).startswith("{")
+    assert free.output_ids == free_alone.output_ids  # the free request is untouched by its neighbours' masks
+
+
+def test_preemption_in_the_middle_of_a_constrained_request(demo_engine_parts):
+    """A cache so small that requests are preempted and recomputed mid-output: the grammar state
+    follows the tokens, so every output still validates."""
+    tokenizer, model = demo_engine_parts
+    schema = SCHEMAS["enum_and_bounds"]
+    engine = ContinuousBatchingEngine(model, PagedConfig(block_size=4, num_blocks=24, max_batch_tokens=16, seed=1))
+    ids = engine.add_all([dict(input_ids=prompt(tokenizer), max_new_tokens=60, generation_config=SAMPLED,
+                               tokenizer=tokenizer, structured={"json": schema}) for _ in range(5)])  # fmt: skip
+    outs = engine.collect(ids)
+    assert engine.stats.num_preemptions > 0, "the cache did not force a preemption"
+    for out in outs:
+        text = tokenizer.decode(out.output_ids, skip_special_tokens=True)
+        jsonschema.validate(json.loads(text), schema)
+    assert engine.allocator.num_used_blocks == 0
+
+
+def test_each_of_n_sequences_has_its_own_grammar_state(demo_engine_parts):
+    tokenizer, model = demo_engine_parts
+    engine = ContinuousBatchingEngine(model, PagedConfig(seed=11))
+    config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, num_return_sequences=4)
+    rid = engine.add_request(prompt(tokenizer), max_new_tokens=120, generation_config=config, tokenizer=tokenizer,
+                             structured={"json": SCHEMAS["any_of_const_pattern"]})  # fmt: skip
+    outs = engine.collect([rid])
+    assert len(outs) == 4
+    for out in outs:
+        jsonschema.validate(json.loads(tokenizer.decode(out.output_ids, skip_special_tokens=True)),
+                            SCHEMAS["any_of_const_pattern"])  # fmt: skip
+
+
+def test_model_generate_takes_structured(demo_engine_parts):
+    tokenizer, model = demo_engine_parts
+    batch = tokenizer(["The answer:", "A list is"], padding=True, return_tensors="pt")
+    torch.manual_seed(0)
+    out = model.generate(**batch, max_new_tokens=30, do_sample=True, tokenizer=tokenizer,
+                         structured={"choice": ["alpha", "beta"]})  # fmt: skip
+    for row in out[:, batch["input_ids"].shape[1] :]:
+        assert tokenizer.decode(row, skip_special_tokens=True) in ("alpha", "beta")
+
+
+def test_bad_requests_are_refused_by_name(demo_engine_parts):
+    tokenizer, model = demo_engine_parts
+    engine = ContinuousBatchingEngine(model, PagedConfig())
+    ids = prompt(tokenizer)
+    with pytest.raises(ValueError, match="tokenizer"):
+        engine.add_request(ids, max_new_tokens=4, structured={"regex": "a+"})
+    with pytest.raises(ValueError, match="uniqueItems"):
+        engine.add_request(ids, max_new_tokens=4, tokenizer=tokenizer,
+                           structured={"json": {"type": "array", "uniqueItems": True}})  # fmt: skip
+    with pytest.raises(ValueError, match="structured takes"):
+        engine.add_request(ids, max_new_tokens=4, tokenizer=tokenizer, structured={"schema": {}})
+    with pytest.raises(NotImplementedError, match="beam search"):
+        engine.add_request(ids, max_new_tokens=4, tokenizer=tokenizer, structured={"regex": "a+"},
+                           generation_config=GenerationConfig(num_beams=2))  # fmt: skip
+    assert not engine.has_unfinished()
