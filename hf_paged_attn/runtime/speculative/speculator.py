@@ -160,7 +160,7 @@ class Speculator:
             ]  # fmt: skip
             due.sort(key=lambda i: -candidates[i][1].acceptance.idle_steps)
             for i in due[: max(1, num_decoding // 4)]:
-                ks[i] = limits[i] if small else 1
+                ks[i] = limits[i] if small else min(limits[i], 1)
         return ks
 
     @staticmethod
