@@ -460,9 +460,9 @@ A small throughput experiment: the same requests served by
 - the paged **engine** (continuous batching, up to `max_num_seqs` requests at once), and
 - transformers' **padded `generate`** with `sdpa` attention, in static batches of the same size.
 
-Then the package's own benchmark, `hf_paged_attn_tools.bench`, in its smoke configuration. Numbers from a
-tiny model on a CPU say little about a real model on a GPU; see `benchmarks/README.md` for the full
-workloads (`make bench`)."""),
+Then the package's own benchmark, `hf_paged_attn_tools.bench`, in its smoke configuration, and
+speculative decoding (prompt lookup) by batch size. Numbers from a tiny model on a CPU say little
+about a real model on a GPU; see `benchmarks/README.md` for the full workloads (`make bench`)."""),
     ("code", load("left", prompts=True) + """
 
 sdpa_model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, attn_implementation="sdpa").eval()"""),
@@ -592,6 +592,62 @@ right.grid(True, axis="x", alpha=0.3)
 right.set_xlabel("new tokens / s (best level, log scale)")
 right.set_title("against the bound")
 fig.tight_layout()
+plt.show()"""),
+    ("md", """\
+## 4. Speculative decoding: prompt lookup by batch size
+
+`prompt_lookup_num_tokens=4`: each decoding request proposes up to 4 tokens copied from an earlier
+occurrence of its last tokens, and one forward verifies them (greedy: exactly the plain tokens).
+The demo model repeats itself, as documentation does, so some proposals are accepted. A verify step
+costs its extra rows, so the engine picks every request's number of proposals per step from its
+acceptance so far and the batch size: at batch 1 it speculates, in a big batch it stops by itself
+(see the README's *Speculative decoding*; `benchmarks/speculative.py` measures it at length).
+128 new tokens per request, EOS ignored; batch 1 runs 4 prompts one after the other. The clock is
+the process's CPU time, steadier than wall time on a shared machine; medians of 5 rounds that
+alternate the two. Still noisy: a few percent either way is noise."""),
+    ("code", """\
+import statistics
+
+batch_sizes = [1, 4, 16]
+new_tokens = 128
+speculative = {"plain": {}, "prompt lookup (k=4)": {"prompt_lookup_num_tokens": 4}}
+rates = {name: [] for name in speculative}
+
+
+def run_batch(size, options):
+    \"\"\"CPU seconds and new tokens of generate on the first ``size`` prompts (batch 1: 4 calls of one).\"\"\"
+    groups = [PROMPTS[i : i + 1] for i in range(4)] if size == 1 else [PROMPTS[:size]]
+    start, tokens = time.process_time(), []
+    for group in groups:
+        batch = tokenizer(group, padding=True, return_tensors="pt")
+        out = model.generate(**batch, max_new_tokens=new_tokens, eos_token_id=None, do_sample=False, **options)
+        tokens += out[:, batch["input_ids"].shape[1] :].tolist()
+    return time.process_time() - start, tokens
+
+
+_ = run_batch(1, speculative["prompt lookup (k=4)"])  # warm-up
+for size in batch_sizes:
+    seconds, outputs = {name: [] for name in speculative}, {}
+    for r in range(5):
+        for name in list(speculative)[:: 1 if r % 2 else -1]:
+            elapsed, outputs[name] = run_batch(size, speculative[name])
+            seconds[name].append(elapsed)
+    assert outputs["plain"] == outputs["prompt lookup (k=4)"]  # greedy: the same tokens
+    for name in speculative:
+        rates[name].append(sum(map(len, outputs[name])) / statistics.median(seconds[name]))
+    print(f"batch {size:>2}: " + ", ".join(f"{name} {rates[name][-1]:5.0f} tok/s" for name in speculative))
+
+fig, ax = plt.subplots(figsize=(6, 3.5))
+for name, values in rates.items():
+    ax.plot(batch_sizes, values, marker="o", label=name)
+ax.set_xscale("log", base=2)
+ax.set_xticks(batch_sizes, [str(b) for b in batch_sizes])
+ax.set_xlabel("requests in one generate call")
+ax.set_ylabel("new tokens / CPU second")
+ax.set_ylim(bottom=0)
+ax.set_title("bundled demo model, greedy, with and without prompt lookup")
+ax.grid(True, alpha=0.3)
+ax.legend()
 plt.show()"""),
 ]
 
@@ -754,7 +810,7 @@ METADATA = {
 
 
 # Figures each notebook must show once executed (image/png outputs).
-FIGURES = {"02_streaming_engine": 1, "04_prefix_caching": 2, "05_benchmark": 2}
+FIGURES = {"02_streaming_engine": 1, "04_prefix_caching": 2, "05_benchmark": 3}
 TIMEOUT_S = 180  # per cell
 
 

@@ -11,6 +11,7 @@ from .core.request import RequestOutput, TokenLogprob
 from .integration.register import register
 from .runtime.config import PagedConfig
 from .runtime.engine import ContinuousBatchingEngine
+from .runtime.speculative.config import SpeculativeConfig
 from .runtime.stats import EngineStats
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "PagedAttentionCache",
     "PagedConfig",
     "RequestOutput",
+    "SpeculativeConfig",
     "TokenLogprob",
     "register",
 ]

@@ -97,18 +97,24 @@ def build_step(
     layers: LayerKinds | None = None,
     sampled: list[bool] | None = None,
     block_copies: list[tuple[int, int]] | tuple[tuple[int, int], ...] = (),
+    drafts: list[list[int]] | None = None,
 ) -> StepMetadata:
     """The description of one step. ``sampled[i]`` says whether request i's last new token is
     sampled (default: when its chunk reaches the end of its known tokens). Each attention group gets
     its own tables (``layers.groups``; one group unless the model mixes sliding and full layers).
-    ``block_copies``: the scheduler's copy-on-write pairs, carried out before the forward."""
+    ``block_copies``: the scheduler's copy-on-write pairs, carried out before the forward.
+    ``drafts[i]``: speculative tokens fed after request i's known ones (counted in its
+    ``num_new_tokens``); its last ``1 + len(drafts[i])`` rows are all sampled, to verify them."""
     q_lens = [s.num_new_tokens for s in scheduled]
     starts = [s.request.num_computed_tokens for s in scheduled]
+    known = q_lens if drafts is None else [n - len(d) for n, d in zip(q_lens, drafts)]
     if sampled is None:
-        sampled = [start + n == s.request.num_tokens for s, start, n in zip(scheduled, starts, q_lens)]
+        sampled = [start + n == s.request.num_tokens for s, start, n in zip(scheduled, starts, known)]
     token_ids: list[int] = []
-    for s, start, n in zip(scheduled, starts, q_lens):
+    for i, (s, start, n) in enumerate(zip(scheduled, starts, known)):
         token_ids.extend(s.request.token_slice(start, n))
+        if drafts is not None:
+            token_ids.extend(drafts[i])
 
     is_decode = max(q_lens) == 1
     if is_decode:  # one token per request, most steps: nothing to expand per token
@@ -125,7 +131,9 @@ def build_step(
         _group_tables(scheduled, g, window, starts, q_lens, rows_q, positions, block_size, device)
         for g, window in enumerate(windows)
     )
-    if all(sampled):
+    if drafts is not None and any(drafts):
+        logits_indices = _verified_rows(cu_q[1:].long(), [len(d) + 1 if d else int(f) for d, f in zip(drafts, sampled)])
+    elif all(sampled):
         logits_indices = cu_q[1:].long() - 1
     else:
         logits_indices = (cu_q[1:].long() - 1)[torch.tensor(sampled, dtype=torch.bool)]
@@ -142,6 +150,14 @@ def build_step(
         block_copies=tuple(block_copies),
         has_beams=any(s.request.group is not None for s in scheduled),
     )
+
+
+def _verified_rows(ends: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """The last ``counts[i]`` rows of request i, whose rows end at ``ends[i]`` [B]: [sum(counts)] int64."""
+    num = torch.tensor(counts)
+    first = torch.repeat_interleave(ends - num, num)  # [sum(counts)] each row's request's first sampled row
+    offsets = torch.arange(int(num.sum())) - torch.repeat_interleave(num.cumsum(0) - num, num)
+    return first + offsets
 
 
 def _group_tables(

@@ -3,7 +3,8 @@
 
 Plain Python, no torch. Only this module changes a request's tables (``request.block_tables``)
 and ``request.num_computed_tokens``; the scheduler asks it whether blocks can be had (``admit``,
-``reserve``) and tells it what ran (``commit``) and what left (``release``).
+``reserve``) and tells it what ran (``commit``), what was not kept (``trim``: rejected speculative
+tokens) and what left (``release``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ class KVBlockManager:
     free what left a window), fork and release.
 
     Invariant: in every group, a request holds ``blocks_for(num_computed_tokens + scheduled,
-    block_size)`` table entries, of which those wholly before its group's window are ``RELEASED``.
+    block_size)`` table entries, of which those wholly before its group's window are ``RELEASED``
+    (a speculative step reserves room for its proposed tokens too; ``trim`` gives back what the
+    rejected ones held once the verified ones are committed).
     """
 
     def __init__(
@@ -207,6 +210,17 @@ class KVBlockManager:
             if table[i] != RELEASED:
                 self.allocator.free([table[i]])
                 table[i] = RELEASED
+
+    def trim(self, request: Request, num_tokens: int | None = None) -> None:
+        """Give back the table entries past the blocks of the first ``num_tokens`` tokens (default:
+        ``num_computed_tokens``) in every group: room reserved for speculative tokens that were
+        shortened or rejected. Those blocks were allocated by ``reserve`` for this request alone and
+        hold no committed token, so none of them is in the prefix cache."""
+        keep = blocks_for(request.num_computed_tokens if num_tokens is None else num_tokens, self.block_size)
+        for table in self.tables(request):
+            if len(table) > keep:
+                self.allocator.free(table[: keep - 1 : -1] if keep else table[::-1])  # tail first
+                del table[keep:]
 
     # ------------------------------------------------------------------ sharing and release
     def fork(self, parent: Request, child: Request) -> None:

@@ -82,6 +82,12 @@ class Request:
     matcher: Any = None  # runtime.structured.Matcher of a constrained request (its grammar's state)
     score: float | None = None
     beam_indices: list[int] | None = None
+    # Speculative decoding (runtime/speculative): tokens proposed after the last known one, fed with
+    # it for verification and kept out of ``output_ids`` (and so out of every prefix-cache key)
+    # until accepted; ``lookahead``: how many the scheduler reserves room for at the next decode step
+    draft_ids: list[int] = field(default_factory=list)
+    lookahead: int = 0
+    speculation: Any = None  # the request's speculative state (acceptance, proposer's), opaque here
 
     @property
     def block_tables(self) -> list[list[int]]:

@@ -2,7 +2,8 @@
 tables are the KV manager's.
 
 Plain Python, no torch. Each step spends a token budget (``max_batch_tokens``) in this order:
-running requests that decode (one token each), running requests part-way through a chunked
+running requests that decode (one token each, plus the room for the tokens a speculating request
+proposes: ``Request.lookahead``), running requests part-way through a chunked
 prefill, then waiting requests in the policy's order (``policy.py``). When blocks run out, the
 running request the policy ranks last is preempted by recompute: its blocks are freed and it waits
 again, to be prefilled later from its prompt plus the tokens it already generated (identical
@@ -30,6 +31,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     preempted: list[Request] = field(default_factory=list)
+    num_lookahead_tokens: int = 0  # room reserved for speculative tokens (``Request.lookahead``)
 
 
 class Scheduler:
@@ -86,11 +88,16 @@ class Scheduler:
             if request.status is not Status.RUNNING or not request.num_pending_tokens:
                 continue  # preempted earlier in this loop, or a beam waiting for its group's other beams
             num_new = min(request.num_pending_tokens, budget)
-            while not self.kv.reserve(request, num_new):
-                victim = self._pick_victim(exclude=scheduled | {id(request)})
-                self._preempt(victim or request, out)
-                if victim is None:
-                    break
+            ahead = self._lookahead(request, budget)
+            if ahead:
+                num_new += ahead
+                out.num_lookahead_tokens += ahead
+            else:
+                while not self.kv.reserve(request, num_new):
+                    victim = self._pick_victim(exclude=scheduled | {id(request)})
+                    self._preempt(victim or request, out)
+                    if victim is None:
+                        break
             if request.status is Status.RUNNING:
                 out.scheduled.append(ScheduledRequest(request, num_new))
                 scheduled.add(id(request))
@@ -111,6 +118,15 @@ class Scheduler:
         out.block_copies = self.kv.take_copies()
         return out
 
+    def _lookahead(self, request: Request, budget: int) -> int:
+        """Speculative decoding: room for up to ``request.lookahead`` proposed tokens after a decode
+        step's one, reserved (and counted in the budget) if the blocks are free; 0 otherwise, and
+        then the step is an ordinary decode: speculation never preempts anyone."""
+        ahead = min(request.lookahead, budget - 1)
+        if ahead <= 0 or request.num_pending_tokens != 1:
+            return 0
+        return ahead if self.kv.reserve(request, 1 + ahead) else 0
+
     def _pick_victim(self, exclude: set[int]) -> Request | None:
         """The policy's victim among running requests none of whose group is in ``exclude``."""
         candidates = [r for r in self.running if not any(id(m) in exclude for m in _group_of(r))]
@@ -126,6 +142,7 @@ class Scheduler:
             if member.status is Status.WAITING:
                 continue
             self.kv.release(member)
+            member.draft_ids, member.lookahead = [], 0  # its proposals go too: they follow tokens it must recompute
             member.num_preemptions += 1
             self.add(member)
             out.preempted.append(member)

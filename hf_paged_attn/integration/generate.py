@@ -9,6 +9,8 @@ stack of rows (``runtime/processors/``).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.utils import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
@@ -22,11 +24,13 @@ from ..runtime.lockstep import Lockstep
 from ..runtime.memory import blocks_for_batch
 from ..runtime.placement import input_device, layer_kinds
 from ..runtime.sampling import RUN_ANYWAY, make_stopping_criteria
+from ..runtime.speculative.config import with_draft
+from ..runtime.speculative.draft import paged_attention
 from .modes import generation_mode
 
 _REFUSED = {  # generate() arguments with no meaning here, refused by name rather than ignored
     "prefix_allowed_tokens_fn": "prefix_allowed_tokens_fn",
-    "assistant_model": "assisted decoding (assistant_model)",
+    "assistant_tokenizer": "assisted decoding with another tokenizer (assistant_tokenizer)",
     "negative_prompt_ids": "negative prompts (classifier-free guidance)",
     "negative_prompt_attention_mask": "negative prompts (classifier-free guidance)",
     "custom_generate": "custom_generate",
@@ -46,7 +50,9 @@ def paged_generate(
     structured=None,
     **kwargs,
 ) -> torch.Tensor | GenerateDecoderOnlyOutput:
-    """Continuous-batching ``generate``: rows of the padded batch become requests."""
+    """Continuous-batching ``generate``: rows of the padded batch become requests. ``assistant_model``
+    and ``prompt_lookup_num_tokens`` speculate on every row (``runtime/speculative``)."""
+    assistant = kwargs.pop("assistant_model", None)
     for name, what in _REFUSED.items():
         if kwargs.pop(name, None) is not None:
             raise NotImplementedError(f"{what} is not supported by the paged engine's generate; {RUN_ANYWAY}")
@@ -94,6 +100,11 @@ def paged_generate(
     prompts, paddings = _unpad(input_ids, attention_mask)
     paged_config = paged_config or getattr(model, "paged_config", None) or PagedConfig()
     paged_config = paged_config.for_model(model)  # the engine's kernel and block size
+    if assistant is not None:  # k: num_assistant_tokens where the caller set it (its config default, 20, is not ours)
+        if num_beams > 1:
+            raise NotImplementedError(f"assistant_model with num_beams={num_beams}: beam search does not speculate")
+        k = kwargs.get("num_assistant_tokens") or getattr(generation_config, "num_assistant_tokens", None)
+        paged_config = paged_config.replace(speculative=with_draft(paged_config.speculative, assistant, k))
     lengths = [len(p) for p in prompts]
     layers = layer_kinds(model, paged_config.hybrid_kv)  # the engine's groups
     exact_fit = blocks_for_batch(lengths, max_new_tokens, paged_config, layers.groups, max(num_sequences, num_beams))
@@ -129,7 +140,8 @@ def paged_generate(
         return engine.collect(ids, on_output=on_output)
 
     # Tensor-parallel model: rank 0 runs the engine, the other ranks its forwards; all get the outputs.
-    with generation_mode(model):
+    draft_attention = paged_attention(assistant) if assistant is not None else contextlib.nullcontext()
+    with generation_mode(model), draft_attention:
         ordered = on_driver(model, run)
     if streamer is not None:
         if not is_driver(model):  # the other ranks' streamers get the prompt and the output at the end

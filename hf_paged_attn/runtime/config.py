@@ -12,6 +12,7 @@ import torch
 from ..core.policy import POLICIES
 from ..kernels import BACKENDS, KERNELS, resolve_kernel
 from .placement import kernel_device
+from .speculative.config import SpeculativeConfig
 
 
 @dataclass(slots=True)
@@ -62,6 +63,9 @@ class PagedConfig:
             is not ``0``, off elsewhere; ``True`` on
             another device raises ValueError; ``False``: eager forwards. A failed compile is logged
             and the engine runs eagerly.
+        speculative: speculative decoding for every request that can speculate
+            (``SpeculativeConfig``: prompt lookup, or a draft model); None: only requests whose own
+            generation config sets ``prompt_lookup_num_tokens`` speculate.
     """
 
     block_size: int | None = None
@@ -77,6 +81,7 @@ class PagedConfig:
     hybrid_kv: bool = True
     cuda_graphs: bool | None = None
     compile: bool | None = None
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_batch_tokens"):
@@ -108,6 +113,8 @@ class PagedConfig:
             raise ValueError(f"PagedConfig.progress_bar must be None or a bool, got {self.progress_bar!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"PagedConfig.seed must be None or an int, got {self.seed!r}")
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise ValueError(f"PagedConfig.speculative must be None or a SpeculativeConfig, got {self.speculative!r}")
 
     def for_model(self, model: torch.nn.Module) -> PagedConfig:
         """``resolved`` for ``model``: its device, dtype and whether its attention has sinks."""

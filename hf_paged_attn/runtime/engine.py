@@ -27,6 +27,7 @@ from .executor import Launcher, choose_launcher
 from .lockstep import Lockstep
 from .placement import input_device, layer_kinds
 from .sampling import make_sampling_params, resolve_max_new_tokens
+from .speculative.speculator import build_speculator
 from .stats import EngineStats, StepCounters
 from .update import Updater
 
@@ -79,6 +80,10 @@ class ContinuousBatchingEngine(BatchAPI):
         self.grammars = None  # structured.Grammars, made at the first constrained request
         self.counters = StepCounters()
         self.updater = Updater(self.scheduler, self.kv, self.intake, self.counters, self.generator)
+        self.speculator = build_speculator(
+            model, config.speculative, self.kv, self.layers, size.num_pages, self.backend, config.max_batch_tokens,
+            self.device, self.generator,
+        )  # fmt: skip
 
     # ----------------------------------------------------------------------------- requests in
     def add_request(
@@ -165,6 +170,7 @@ class ContinuousBatchingEngine(BatchAPI):
         """One scheduler iteration: returns the requests that produced tokens or finished."""
         start = time.perf_counter()
         outputs = self._take_intake()
+        self.speculator.plan(self.scheduler.running)  # speculative decoding: each decode's lookahead
         plan = self.scheduler.schedule()
         if plan.scheduled:
             outputs += self._run(plan)
@@ -177,8 +183,9 @@ class ContinuousBatchingEngine(BatchAPI):
         """Execute the plan's step and update its requests from the logits."""
         forward_start = time.perf_counter()
         try:
+            drafts = self.speculator.propose(plan)  # None unless some request speculates
             step = build_step(plan.scheduled, self.config.block_size, self.device, self.layers,
-                              block_copies=plan.block_copies)  # fmt: skip
+                              block_copies=plan.block_copies, drafts=drafts)  # fmt: skip
             logits = self.executor.execute(step)
         except Exception as exc:  # one failing step must not take the engine down
             return self.updater.fail(plan, exc)

@@ -35,6 +35,7 @@ from .. import transformers_private as hf
 from ..core.request import Request, TokenLogprob
 from .placement import input_device
 from .processors import ProcessorPlan, Rows, TokenHistory, openai_options, plan_processors, run_plans
+from .speculative.config import check_generation_options
 
 SUPPORTED_MODES = (
     GenerationMode.GREEDY_SEARCH,
@@ -54,8 +55,9 @@ UNSUPPORTED_OPTIONS = {
     "guidance_scale": (None, 1, 1.0),
     "penalty_alpha": (None, 0, 0.0),
     "dola_layers": None,
-    "prompt_lookup_num_tokens": None,
     "assistant_early_exit": None,
+    "assistant_ensemble_weight": None,  # speculative decoding here is lossless only (speculative/verify.py)
+    "speculation_type": None,
     "encoder_repetition_penalty": (None, 1, 1.0),
     "encoder_no_repeat_ngram_size": (None, 0),
     "diversity_penalty": (None, 0, 0.0),
@@ -122,6 +124,9 @@ class Sample:
 def check_supported(config: GenerationConfig) -> None:
     """Raise NotImplementedError naming any option this engine cannot honour."""
     mode = config.get_generation_mode()
+    if mode is GenerationMode.ASSISTED_GENERATION and config.prompt_lookup_num_tokens is not None:
+        mode = GenerationMode.SAMPLE if config.do_sample else GenerationMode.GREEDY_SEARCH  # speculative/
+    check_generation_options(config)
     if mode not in SUPPORTED_MODES:
         raise NotImplementedError(
             f"generation mode {mode.value!r} (num_beams={config.num_beams}, do_sample={config.do_sample}) is not "

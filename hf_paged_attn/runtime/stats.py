@@ -30,10 +30,17 @@ class EngineStats:
     # Layers one block holds: all of them, or one attention group's when a hybrid model's groups
     # share the pool; ``num_blocks * layers_per_block / num_layers`` is PagedConfig.num_blocks' unit
     layers_per_block: int = 0
+    num_draft_tokens: int = 0  # speculative decoding: tokens proposed and verified
+    num_accepted_tokens: int = 0  # of those, accepted (each step emits them and one more token)
 
     @property
     def prefix_hit_rate(self) -> float:
         return self.num_cached_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Share of the proposed tokens the target accepted."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
 @dataclass(slots=True)
@@ -46,6 +53,8 @@ class StepCounters:
     forward_seconds: float = 0.0
     peak_used_blocks: int = 0
     kv_waste_at_peak: float = 0.0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     waste_measured_at: int = 0  # blocks in use when kv_waste_at_peak was last measured
 
@@ -76,4 +85,6 @@ class StepCounters:
             num_prompt_tokens=kv.num_prompt_tokens,
             num_cached_tokens=kv.num_cached_tokens,
             layers_per_block=kv.layers.layers_per_block,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
         )

@@ -26,6 +26,7 @@ from .beam import BeamGroup
 from .lockstep import Lockstep
 from .processors import TokenHistory
 from .sampling import Sample, sample_one, sample_rows, should_stop
+from .speculative.verify import verify_step
 from .stats import StepCounters
 
 
@@ -48,7 +49,10 @@ class Updater:
 
     def apply(self, plan: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
         """The step ran: ``logits`` [num_sampled, vocab] float32, one row per request whose chunk
-        reached the end of its known tokens, in scheduling order."""
+        reached the end of its known tokens, in scheduling order (speculating requests: all theirs)."""
+        outputs: list[RequestOutput] = []
+        if plan.num_lookahead_tokens:  # speculating requests are verified apart (speculative/verify.py)
+            plan, logits, outputs = verify_step(self, plan, logits)
         if self.history is None:
             self.history = TokenHistory(logits.device)
         for s in plan.scheduled:
@@ -68,7 +72,6 @@ class Updater:
         # One append of the step's tokens to every tracked row, before any of them finishes and is released
         tracked = [(r, s.token) for r, s, _ in drawn if isinstance(s, Sample) and r in self.history]
         self.history.append([r for r, _ in tracked], [t for _, t in tracked])
-        outputs = []
         for r, s, row_logits in drawn:
             outputs += self._record(r, s, row_logits)
         for row, request in enumerate(sampled):  # groups move once all their members' logits are in

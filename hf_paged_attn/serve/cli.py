@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .. import PagedConfig
+from .. import PagedConfig, SpeculativeConfig
 from .limits import CHARS_PER_TOKEN, DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DRAIN_GRACE_S, MAX_HEADER_BYTES
 
 logger = logging.getLogger("hf_paged_attn.serve")
@@ -82,6 +82,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--kernel")
     g.add_argument("--scheduling-policy")
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--speculative", metavar="SPEC",
+                   help="speculative decoding: ngram:K (prompt lookup, K tokens a step; ngram:K:N matches up to "
+                        "N-grams) or, with --draft-model, draft:K")
+    g.add_argument("--draft-model", metavar="PATH", help="a draft model with the model's vocabulary (hub id or path)")
     args = p.parse_args(argv)
     if args.max_queue < 1:
         p.error(f"--max-queue must be >= 1, got {args.max_queue}")
@@ -97,6 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.limit_concurrency = 2 * args.max_queue + 64
     elif args.limit_concurrency < 0:
         p.error(f"--limit-concurrency must be >= 0, got {args.limit_concurrency}")
+    if args.speculative and args.speculative.startswith("ngram") == bool(args.draft_model):
+        p.error(f"--speculative {args.speculative}: ngram:K goes without --draft-model, draft:K with it")
     return args
 
 
@@ -107,7 +113,16 @@ def paged_config(args: argparse.Namespace) -> PagedConfig:
     fields = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     if args.no_prefix_caching:
         fields["enable_prefix_caching"] = False
+    if args.speculative and not args.draft_model:
+        fields["speculative"] = SpeculativeConfig.parse(args.speculative)
     return PagedConfig().replace(**fields)
+
+
+def speculative_config(args: argparse.Namespace, draft: Any) -> SpeculativeConfig:
+    """The ``--draft-model`` speculation (``--speculative draft:K``, else the default K)."""
+    if args.speculative:
+        return SpeculativeConfig.parse(args.speculative, draft)
+    return SpeculativeConfig(draft_model=draft)
 
 
 def load(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -131,6 +146,9 @@ def load(args: argparse.Namespace) -> tuple[Any, Any]:
         serve_worker(model)
         return None, None
     tokenizer = AutoTokenizer.from_pretrained(args.model)
+    if args.draft_model:
+        draft = AutoModelForCausalLM.from_pretrained(args.draft_model, attn_implementation="paged", dtype=dtype)
+        config = config.replace(speculative=speculative_config(args, draft.to(device).eval()))
     return ContinuousBatchingEngine(model, config), tokenizer
 
 

@@ -37,6 +37,11 @@ class _EngineCollector(Collector):
             yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
         preemptions = s.num_preemptions
         yield CounterMetricFamily(f"{PREFIX}_num_preemptions", "requests preempted for KV blocks", value=preemptions)
+        for name, doc, value in (
+            ("spec_decode_num_draft_tokens", "speculative tokens proposed and verified", s.num_draft_tokens),
+            ("spec_decode_num_accepted_tokens", "speculative tokens accepted", s.num_accepted_tokens),
+        ):
+            yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
 
 
 class ServeMetrics:

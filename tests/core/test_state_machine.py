@@ -11,6 +11,13 @@ Block copies are applied before the step's writes (as the engine does), writes m
 the writer holds alone, and every running request must read back exactly its own prefix from its
 block table — so a wrong prefix hit, a missed copy-on-write or a reused block still in use shows up
 as a content mismatch, not just as a count.
+
+Speculative steps (``speculative_step``): decoding requests propose tokens (``lookahead``), the
+scheduler reserves room for them, their K/V is written after the last token's, a random prefix of
+them is accepted and the rest rolled back (commit of the verified count, ``trim``), as
+``runtime/speculative`` does. A rejected proposal's K/V sits in the pages like any other, so a
+block registered in the prefix cache while holding one shows up as a cached block whose content is
+not its key's.
 """
 
 from __future__ import annotations
@@ -71,6 +78,9 @@ class Simulation:
         self.num_copies = 0
         self.num_finished = 0
         self.num_forks = 0
+        self.num_proposed = 0  # speculative tokens fed, accepted, and blocks trimmed after a rejection
+        self.num_accepted = 0
+        self.num_trimmed = 0
         self._ids = 0
 
     @property
@@ -121,6 +131,65 @@ class Simulation:
                 self.finish(request, "length")
         return plan
 
+    def speculative_step(self, tokens: list[int], proposals: list[list[int]], accepts: list[int]) -> SchedulerOutput:
+        """A step where decoding requests propose tokens, as ``runtime/speculative`` runs it: the
+        i-th decoding request proposes ``proposals[i]`` (within its ``max_new_tokens``), the
+        scheduler reserves what fits, the proposals' K/V is written, ``accepts[i]`` of them are
+        accepted (mod their count + 1) and then one more token (a rejection's correction differs from
+        the rejected proposal); the verified tokens are committed and the rest of the room trimmed."""
+        decoding = [r for r in self.scheduler.running if r.num_pending_tokens == 1 and not r.group]
+        for i, request in enumerate(decoding):
+            room = request.max_new_tokens - len(request.output_ids) - 1
+            request.draft_ids = list(proposals[i % len(proposals)][: max(room, 0)]) if proposals else []
+            request.lookahead = len(request.draft_ids)
+        plan = self.scheduler.schedule()
+        self._check_plan(plan)
+        for s in plan.scheduled:  # what Speculator.propose does: proposals cut to the room granted
+            request = s.request
+            granted = s.num_new_tokens - request.num_pending_tokens
+            request.draft_ids = request.draft_ids[: max(granted, 0)]
+            if granted > len(request.draft_ids):
+                s.num_new_tokens = request.num_pending_tokens + len(request.draft_ids)
+                self.kv.trim(request, request.num_computed_tokens + s.num_new_tokens)
+        self._apply_copies(plan.block_copies)
+        for s in plan.scheduled:
+            r = s.request
+            self._write(r, r.num_computed_tokens, s.num_new_tokens, r.all_ids + r.draft_ids)
+        sampled = []
+        for i, s in enumerate(plan.scheduled):
+            r, draft = s.request, s.request.draft_ids
+            if not draft:
+                self.kv.commit(r, s.num_new_tokens)
+                if r.num_computed_tokens == r.num_tokens:
+                    sampled.append(r)
+                continue
+            accepted = accepts[i % len(accepts)] % (len(draft) + 1) if accepts else 0
+            last = tokens[i % len(tokens)] if tokens else ALPHABET[0]
+            if accepted < len(draft) and last == draft[accepted]:  # a correction differs from what it rejects
+                last = ALPHABET[(ALPHABET.index(last) + 1) % len(ALPHABET)]
+            emitted = (draft[:accepted] + [last])[: r.max_new_tokens - len(r.output_ids)]
+            self.num_proposed += len(draft)
+            self.num_accepted += accepted
+            r.draft_ids, r.lookahead = [], 0
+            r.output_ids.extend(emitted)
+            self.kv.commit(r, len(emitted))  # the last token and the accepted proposals before the last emitted
+            before = len(r.block_ids)
+            self.kv.trim(r)
+            self.num_trimmed += before - len(r.block_ids)
+            self._check_reads(r)
+            if len(r.output_ids) >= r.max_new_tokens:
+                self.finish(r, "length")
+        for s in plan.scheduled:
+            if s.request in sampled:
+                self._check_reads(s.request)
+        for i, request in enumerate(sampled):
+            request.output_ids.append(tokens[i % len(tokens)] if tokens else ALPHABET[0])
+            if len(request.output_ids) >= request.max_new_tokens:
+                self.finish(request, "length")
+        for request in self.scheduler.running + self.scheduler.waiting:
+            request.draft_ids, request.lookahead = [], 0
+        return plan
+
     def finish(self, request: Request, reason: str) -> None:
         self.scheduler.remove(request)
         request.finish(reason)
@@ -166,9 +235,10 @@ class Simulation:
             self.pages[dst] = list(snapshot[src])
         self.num_copies += len(copies)
 
-    def _write(self, request: Request, first: int, num_new: int) -> None:
+    def _write(self, request: Request, first: int, num_new: int, ids: list[int] | None = None) -> None:
+        """``ids``: what the request feeds (its tokens, then a speculative step's proposals)."""
         size = self.block_size
-        ids = request.all_ids
+        ids = request.all_ids if ids is None else ids
         for pos in range(first, first + num_new):
             index = pos // size
             assert index < len(request.block_ids), f"{request.request_id}: no block for position {pos}"
@@ -188,9 +258,13 @@ class Simulation:
         assert sum(s.num_new_tokens for s in plan.scheduled) <= self.scheduler.max_batch_tokens
         for s in plan.scheduled:
             assert s.request.status is Status.RUNNING
-            assert 1 <= s.num_new_tokens <= s.request.num_pending_tokens
+            ahead = s.num_new_tokens - s.request.num_pending_tokens
+            assert 1 <= s.num_new_tokens and ahead <= (s.request.lookahead if s.request.num_pending_tokens == 1 else 0)
+        assert plan.num_lookahead_tokens == sum(max(s.num_new_tokens - s.request.num_pending_tokens, 0)
+                                                for s in plan.scheduled)  # fmt: skip
         for request in plan.preempted:
             assert request.status is Status.WAITING and not request.block_ids
+            assert not request.draft_ids and not request.lookahead, "a preempted request keeps its proposals"
             assert request.num_computed_tokens == 0 and request in self.scheduler.waiting
 
     def _check_reads(self, request: Request) -> None:
@@ -311,6 +385,14 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.sim.check()
             self.sim.step(tokens[i:] + tokens[:i], fork_first=fork_first and i == 0)
 
+    @rule(
+        tokens=st.lists(st.sampled_from(ALPHABET), min_size=1, max_size=8),
+        proposals=st.lists(st.lists(st.sampled_from(ALPHABET), max_size=5), min_size=1, max_size=4),
+        accepts=st.lists(st.integers(0, 5), min_size=1, max_size=4),
+    )
+    def speculative_step(self, tokens: list[int], proposals: list[list[int]], accepts: list[int]) -> None:
+        self.sim.speculative_step(tokens, proposals, accepts)
+
     # abort and fork are no-ops when there is nothing to pick (cheaper for hypothesis than preconditions)
     @rule(pick=st.integers(0, 1 << 16))
     def abort(self, pick: int) -> None:
@@ -339,6 +421,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         event(f"evicted={alloc.num_evictions > 0}")
         event(f"copied={self.sim.num_copies > 0}")
         event(f"forked={self.sim.num_forks > 0}")
+        event(f"speculated={self.sim.num_accepted > 0 and self.sim.num_trimmed > 0}")
         # Liveness: left alone, the queued work finishes (no preemption livelock) and frees everything.
         drained = copy.deepcopy(self.sim)
         drained.drain()
@@ -381,7 +464,12 @@ TestWithPriorityPolicy.settings = MACHINE_SETTINGS
 
 # ---------------------------------------------------------------------- the machine is not vacuous
 def random_run(
-    prefix_caching: bool, seed: int, num_ops: int = 400, num_blocks: int = 6, block_size: int = 2
+    prefix_caching: bool,
+    seed: int,
+    num_ops: int = 400,
+    num_blocks: int = 6,
+    block_size: int = 2,
+    speculate: bool = False,
 ) -> Simulation:
     """The machine's own operations, chosen at random with a fixed seed, on a tiny cache."""
     rng = random.Random(seed)
@@ -398,6 +486,10 @@ def random_run(
             sim.finish(rng.choice(sim.live), "abort")
         elif op < 0.45 and sim.scheduler.running:
             sim.fork(rng.choice(sim.scheduler.running))
+        elif op < 0.70 and speculate:
+            proposals = [[rng.choice(ALPHABET) for _ in range(rng.randint(0, 5))] for _ in range(3)]
+            accepts = [rng.randint(0, 5) for _ in range(3)]
+            sim.speculative_step([rng.choice(ALPHABET) for _ in range(4)], proposals, accepts)
         else:
             sim.step([rng.choice(ALPHABET) for _ in range(4)], fork_first=rng.random() < 0.1)
         sim.check()
@@ -431,6 +523,25 @@ def test_seeded_sweep(block_size: int, num_blocks: int) -> None:
     for seed in range(4):
         for prefix_caching in (True, False):
             sim = random_run(prefix_caching, seed, num_ops=300, num_blocks=num_blocks, block_size=block_size)
+            assert sim.allocator.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_speculative_steps_accept_reject_and_roll_back(seed: int) -> None:
+    """Speculative steps among the others: proposals accepted and rejected, rolled back by trim,
+    requests preempted mid-speculation; every check of the machine holds after every operation."""
+    sim = random_run(prefix_caching=True, seed=seed, speculate=True)
+    assert sim.num_accepted > 10 and sim.num_proposed - sim.num_accepted > 10
+    assert sim.num_trimmed > 0, "no rejected proposal ever left a block to give back"
+    assert sim.scheduler.num_preemptions > 0 and sim.kv.num_cached_tokens > 0
+    assert sim.allocator.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("block_size, num_blocks", [(1, 5), (2, 4), (4, 6)])
+def test_seeded_speculative_sweep(block_size: int, num_blocks: int) -> None:
+    for seed in range(3):
+        for prefix_caching in (True, False):
+            sim = random_run(prefix_caching, seed, 300, num_blocks, block_size, speculate=True)
             assert sim.allocator.num_used_blocks == 0
 
 

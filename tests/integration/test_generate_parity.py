@@ -165,10 +165,10 @@ def test_unsupported_options_are_refused(llama_pair, kwargs, name):
         paged.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, **kwargs)
 
 
-def test_assistant_model_refused(llama_pair):
+def test_assisted_decoding_with_another_tokenizer_refused(llama_pair):
     ref, paged = llama_pair
-    with pytest.raises(NotImplementedError, match="assistant_model"):
-        paged.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, assistant_model=ref)
+    with pytest.raises(NotImplementedError, match="assistant_tokenizer"):
+        paged.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, assistant_model=ref, assistant_tokenizer=object())
 
 
 def test_one_prompt_without_a_mask_warns_as_little_as_sdpa(tmp_path):

@@ -76,6 +76,9 @@ HONOURED_ELSEWHERE = {  # option -> the test that checks it against transformers
     "length_penalty": "test_beam_search.py::test_generate_beam_search_equals_sdpa",
     "early_stopping": "test_beam_search.py::test_generate_beam_search_equals_sdpa",
     "num_return_sequences": "test_beam_search.py::test_ragged_engine_requests_next_to_greedy_ones",
+    "num_assistant_tokens": "test_speculative.py::test_generate_with_assistant_model_equals_sdpa",
+    "prompt_lookup_num_tokens": "test_speculative.py::test_generate_prompt_lookup_equals_sdpa_greedy",
+    "max_matching_ngram_size": "test_speculative.py::test_generate_prompt_lookup_equals_sdpa_greedy",
     "output_scores": "test_beam_search.py::test_per_step_scores_equal_sdpa",
     "output_logits": "test_beam_search.py::test_per_step_scores_equal_sdpa",
     "return_dict_in_generate": "test_generate_parity.py::test_return_dict_with_scores",
@@ -95,22 +98,19 @@ NO_EFFECT_HERE = {
     "disable_compile": "compiles transformers' own decoding loop",
     "prefill_chunk_size": "the engine chunks prefill by PagedConfig.max_batch_tokens",
     "continuous_batching_config": "configures transformers' own continuous batching",
-    "is_assistant": "assisted decoding only (refused)",
-    "num_assistant_tokens": "assisted decoding only (refused)",
-    "num_assistant_tokens_schedule": "assisted decoding only (refused)",
-    "assistant_confidence_threshold": "assisted decoding only (refused)",
-    "assistant_lookbehind": "assisted decoding only (refused)",
-    "target_lookbehind": "assisted decoding only (refused)",
-    "assistant_ensemble_weight": "assisted decoding only (refused)",
-    "max_matching_ngram_size": "prompt lookup only (refused)",
-    "speculation_type": "assisted decoding only (refused)",
+    "is_assistant": "marks transformers' own assistant model; the engine runs a draft itself",
+    "num_assistant_tokens_schedule": "how many tokens a draft proposes: the engine's adaptive k (same tokens)",
+    "assistant_confidence_threshold": "how many tokens a draft proposes: the engine's adaptive k (same tokens)",
+    "assistant_lookbehind": "assisted decoding with another tokenizer (assistant_tokenizer is refused)",
+    "target_lookbehind": "assisted decoding with another tokenizer (assistant_tokenizer is refused)",
     "transformers_version": "metadata",
     "_from_model_config": "metadata",
 }
 REFUSED = {  # option -> value that must be refused, naming the option or the mode it selects
     "penalty_alpha": (dict(penalty_alpha=0.6, top_k=4), "contrastive_search"),
     "dola_layers": (dict(dola_layers="high"), "dola"),
-    "prompt_lookup_num_tokens": (dict(prompt_lookup_num_tokens=3), "assisted"),
+    "assistant_ensemble_weight": (dict(assistant_ensemble_weight=0.5), "assistant_ensemble_weight"),
+    "speculation_type": (dict(speculation_type="dflash"), "speculation_type"),
     "assistant_early_exit": (dict(assistant_early_exit=1), "assisted"),
     "use_mtp": (dict(use_mtp=True), "assisted"),
     "guidance_scale": (dict(guidance_scale=1.5), "guidance_scale"),
@@ -202,23 +202,23 @@ def test_option_is_refused_by_name_with_the_way_round(pair_and_eos, name):
 
 
 def test_the_way_round_works(pair_and_eos):
-    """What a refusal suggests: switch to sdpa for the call (prompt lookup here, a mode transformers
-    runs offline), then back to paged, where generate runs on the engine again."""
+    """What a refusal suggests: switch to sdpa for the call (classifier-free guidance here, a mode
+    transformers runs offline), then back to paged, where generate runs on the engine again."""
     ref, paged, _ = pair_and_eos
     ids = torch.tensor([PROMPTS[1]])
     with pytest.raises(NotImplementedError):
-        paged.generate(ids, max_new_tokens=8, prompt_lookup_num_tokens=3)
+        paged.generate(ids, max_new_tokens=8, guidance_scale=1.5)
     try:
         paged.set_attn_implementation("sdpa")
-        looked_up = paged.generate(ids, max_new_tokens=8, prompt_lookup_num_tokens=3, do_sample=False)
+        guided = paged.generate(ids, max_new_tokens=8, guidance_scale=1.5, do_sample=False)
     finally:
         paged.set_attn_implementation("paged")
+    assert torch.equal(guided, ref.generate(ids, max_new_tokens=8, guidance_scale=1.5, do_sample=False))
     greedy = ref.generate(ids, max_new_tokens=8, do_sample=False)
-    assert torch.equal(looked_up, greedy)  # prompt lookup is exact: greedy's tokens
     assert paged.config._attn_implementation == "paged"
     assert torch.equal(paged.generate(ids, max_new_tokens=8, do_sample=False), greedy)
     with pytest.raises(NotImplementedError):  # back on the engine: the refusal is back too
-        paged.generate(ids, max_new_tokens=8, prompt_lookup_num_tokens=3)
+        paged.generate(ids, max_new_tokens=8, guidance_scale=1.5)
 
 
 def test_streamer_with_more_than_one_sequence_is_refused(pair_and_eos):

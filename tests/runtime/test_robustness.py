@@ -128,7 +128,7 @@ def test_stop_strings_without_a_tokenizer_queue_nothing(llama_pair):
         (dict(num_beams=4, num_beam_groups=2, diversity_penalty=0.5), "group_beam_search"),
         (dict(penalty_alpha=0.6, top_k=4), "contrastive_search"),
         (dict(dola_layers="high"), "dola"),
-        (dict(prompt_lookup_num_tokens=3), "assisted"),
+        (dict(assistant_early_exit=1), "assisted"),
         (dict(force_words_ids=[[5, 6]], num_beams=2), "constrained"),
         (dict(guidance_scale=1.5), "guidance_scale"),
         (dict(encoder_repetition_penalty=1.3), "encoder_repetition_penalty"),
