@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_paged_attn_tools.bench.report import build_report, default_out_dir, format_table, plot
+from hf_paged_attn_tools.bench.runner import DTYPE as LOAD_DTYPE
 from hf_paged_attn_tools.bench.runner import run_workload
 from hf_paged_attn_tools.bench.systems import COMPILE as SYSTEMS_COMPILE
 from hf_paged_attn_tools.bench.systems import SYSTEMS
@@ -61,6 +62,8 @@ def parse_args(argv: list[str] | None = None, prog: str = PROG) -> argparse.Name
     parser.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                         help="PagedConfig.compile of the paged systems (auto: its default, on for the CPU); "
                         "--profile always runs eagerly (its hooks would split the compiled graph)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the dtype every system loads the model in")
     parser.add_argument("--serve", action="store_true", help="benchmark the HTTP servers instead (--serve --help)")
     return parser.parse_args(argv)
 
@@ -83,6 +86,7 @@ def run(argv: list[str] | None = None, prog: str = PROG) -> dict[str, Any]:
         )
     work = build_workload(args)
     SYSTEMS_COMPILE["compile"] = {"auto": None, "on": True, "off": False}[args.compile]
+    LOAD_DTYPE["dtype"] = getattr(__import__("torch"), args.dtype)
     if args.profile:
         from hf_paged_attn_tools.bench.profile import print_profile, profile_workload
 

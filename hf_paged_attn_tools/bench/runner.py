@@ -32,14 +32,19 @@ def environment(threads: int) -> dict[str, Any]:
         "machine": platform.machine(),
         "cpu_count": os.cpu_count(),
         "threads": threads,
+        "dtype": str(DTYPE["dtype"]).removeprefix("torch."),
         "env": {k: os.environ[k] for k in ENV_VARS if k in os.environ},
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
 
 
+# The dtype every system loads the model in: float32, or the bench's ``--dtype``, set by ``command.run``.
+DTYPE: dict[str, torch.dtype] = {"dtype": torch.float32}
+
+
 def _load(directory: str, kind: str) -> torch.nn.Module:
     attn = "paged" if kind == "paged" else "sdpa"
-    return AutoModelForCausalLM.from_pretrained(directory, attn_implementation=attn, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(directory, attn_implementation=attn, dtype=DTYPE["dtype"]).eval()
 
 
 def plan(work: Workload, systems: Iterable[str], concurrency: list[int] | None) -> list[tuple[str, int]]:
