@@ -42,7 +42,7 @@ class StepMetadata:
     max_length_q: int
     cache_seqlens: torch.Tensor  # [B] int32, tokens cached before this step
     seqused_k: torch.Tensor  # [B] int32, cached + new tokens: the keys request b attends from its first
-    logits_indices: torch.Tensor  # [num_sampled] int64, rows of the packed batch that are sampled
+    logits_indices: torch.Tensor  # [num_sampled (+ prompt rows)] int64, rows of the packed batch whose logits are kept
     is_decode: bool  # every request feeds exactly one token: the paged decode kernel runs
     groups: tuple[GroupTables, ...]
     block_copies: tuple[tuple[int, int], ...] = ()  # copy on write before the forward: (src, dst) blocks
@@ -104,7 +104,8 @@ def build_step(
     its own tables (``layers.groups``; one group unless the model mixes sliding and full layers).
     ``block_copies``: the scheduler's copy-on-write pairs, carried out before the forward.
     ``drafts[i]``: speculative tokens fed after request i's known ones (counted in its
-    ``num_new_tokens``); its last ``1 + len(drafts[i])`` rows are all sampled, to verify them."""
+    ``num_new_tokens``); its last ``1 + len(drafts[i])`` rows are all sampled, to verify them.
+    Requests scoring their prompt (``prompt_scoring``) add the rows of those positions at the end."""
     q_lens = [s.num_new_tokens for s in scheduled]
     starts = [s.request.num_computed_tokens for s in scheduled]
     known = q_lens if drafts is None else [n - len(d) for n, d in zip(q_lens, drafts)]
@@ -137,6 +138,10 @@ def build_step(
         logits_indices = cu_q[1:].long() - 1
     else:
         logits_indices = (cu_q[1:].long() - 1)[torch.tensor(sampled, dtype=torch.bool)]
+    scored = prompt_scoring(scheduled)
+    if scored:  # prompt_logprobs: the rows that score prompt tokens follow the sampled ones
+        extra = [int(cu_q[i]) + p - starts[i] for i, positions in scored for p in positions]
+        logits_indices = torch.cat([logits_indices, torch.tensor(extra, dtype=torch.long)])
     return StepMetadata(
         input_ids=torch.tensor([token_ids], device=device),
         position_ids=positions.unsqueeze(0).to(device),
@@ -150,6 +155,19 @@ def build_step(
         block_copies=tuple(block_copies),
         has_beams=any(s.request.group is not None for s in scheduled),
     )
+
+
+def prompt_scoring(scheduled: list[ScheduledRequest]) -> list[tuple[int, range]]:
+    """(index in ``scheduled``, positions) of the requests whose chunk scores prompt tokens
+    (``Request.prompt_positions``): their logits rows come last in ``logits_indices``, in this order.
+    Read before the step's tokens are committed (``num_computed_tokens`` is the chunk's start)."""
+    out = []
+    for i, s in enumerate(scheduled):
+        if s.request.scores_prompt:
+            positions = s.request.prompt_positions(s.request.num_computed_tokens, s.num_new_tokens)
+            if positions:
+                out.append((i, positions))
+    return out
 
 
 def _verified_rows(ends: torch.Tensor, counts: list[int]) -> torch.Tensor:

@@ -94,10 +94,12 @@ class KVBlockManager:
         A hit of ``n`` blocks needs, in a full group, the first ``n`` blocks cached; in a sliding
         group only those inside the window of the next query. When every known token hits the
         cache, the last one is still recomputed: its logits are needed to sample the next token.
+        A request scoring its prompt (``prompt_logprobs``) gets no hit: every position's logits are needed.
         """
         size = self.block_size
         tokens = request.all_ids
-        full_blocks = range((len(tokens) - 1) // size)  # the last token is never a hit: see above
+        # the last token is never a hit (see above); a prompt still to be scored, none: it is fed whole
+        full_blocks = range((len(tokens) - 1) // size if not request.scores_prompt else 0)
         found = [
             [self.allocator.cached(self._key(request, g, i)) for i in full_blocks] for g in range(len(self.groups))
         ]

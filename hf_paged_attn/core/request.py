@@ -18,7 +18,8 @@ class Status(enum.Enum):
 class TokenLogprob:
     """One generated token's log-probability under the processed distribution (after temperature,
     top-k/top-p and the other logits processors, as vLLM reports by default), and the ``k`` most
-    likely alternatives there, best first."""
+    likely alternatives there, best first. A prompt token's (``prompt_logprobs``) is under the
+    model's raw distribution given the tokens before it, as vLLM's and lm-eval's ``hf`` model's are."""
 
     token_id: int
     logprob: float
@@ -44,6 +45,9 @@ class RequestOutput:
     index: int = 0  # its place among the parent's sequences (the parent is 0)
     score: float | None = None  # beam search: the hypothesis' length-penalized score (sequences_scores)
     beam_indices: list[int] | None = None  # beam search: the beam each generated token came from
+    # prompt_logprobs=k: one entry per prompt token, None for the first (nothing comes before it);
+    # set on every output once the whole prompt is scored
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -88,6 +92,11 @@ class Request:
     draft_ids: list[int] = field(default_factory=list)
     lookahead: int = 0
     speculation: Any = None  # the request's speculative state (acceptance, proposer's), opaque here
+    # prompt_logprobs=k: the scores of the prompt's tokens so far, in order (entry 0 is None). The
+    # positions still to score get logits rows of their own (``prompt_positions``); while any is
+    # missing the prefix cache serves the request nothing (a hit would skip its positions).
+    num_prompt_logprobs: int | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def block_tables(self) -> list[list[int]]:
@@ -122,6 +131,20 @@ class Request:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
+    @property
+    def scores_prompt(self) -> bool:
+        """True while prompt log-probabilities are asked for and some prompt token is not scored."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
+
+    def prompt_positions(self, start: int, n: int) -> range:
+        """The positions among ``start .. start + n - 1`` (a chunk fed to the model) whose logits
+        score a prompt token not scored yet: position ``p`` scores token ``p + 1``. The last prompt
+        position is not among them: its logits are the first sample's."""
+        if not self.scores_prompt:
+            return range(0)
+        assert self.prompt_logprobs is not None
+        return range(max(start, len(self.prompt_logprobs) - 1), min(start + n, len(self.prompt_ids) - 1))
+
     def append(self, token: int, scores: Any = None, logits: Any = None, logprob: TokenLogprob | None = None) -> None:
         """A new token, with what the request records along with it (None: nothing to record)."""
         self.output_ids.append(token)
@@ -155,6 +178,7 @@ class Request:
             index=self.index,
             score=self.score,
             beam_indices=self.beam_indices,
+            prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None and not self.scores_prompt else None,
         )
         self.new_ids = []
         return out
@@ -172,6 +196,9 @@ class Request:
             parent_id=self.request_id,
             index=index,
             matcher=self.matcher.clone() if self.matcher is not None else None,  # its own grammar state
+            # the parent scores the prompt they share; the list it fills is theirs too
+            num_prompt_logprobs=self.num_prompt_logprobs,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 

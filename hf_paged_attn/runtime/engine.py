@@ -101,6 +101,7 @@ class ContinuousBatchingEngine(BatchAPI):
         padding: Sequence[int] | None = None,
         structured: object | None = None,
         lockstep: Lockstep | None = None,
+        prompt_logprobs: int | None = None,
     ) -> str:
         """Queue one prompt; returns its request id. Bad input raises ValueError and queues nothing.
 
@@ -113,6 +114,9 @@ class ContinuousBatchingEngine(BatchAPI):
         ``{"grammar": ...}``) the output must match; needs ``tokenizer`` and the ``[structured]`` extra.
         ``lockstep``: the ``model.generate`` batch whose caller's processors and criteria the
         request's row runs under (``lockstep.py``; its own ``logits_processor`` is then None).
+        ``prompt_logprobs=k``: score every prompt token under the model's raw distribution given the
+        tokens before it, with its ``k`` best alternatives (``RequestOutput.prompt_logprobs``, entry 0
+        None); the request is then computed whole, never served from the prefix cache.
         """
         text_config = self.model.config.get_text_config()
         prompt = validate_prompt(input_ids, text_config.vocab_size, self.max_position_embeddings)
@@ -129,6 +133,12 @@ class ContinuousBatchingEngine(BatchAPI):
             max_new_tokens=max_new_tokens, prefix=padding, lockstep=lockstep,
         )  # fmt: skip
         request = Request("", prompt, max_new_tokens, sampling, arrival=0, priority=priority)
+        if prompt_logprobs is not None:
+            if isinstance(prompt_logprobs, bool) or not isinstance(prompt_logprobs, int) or prompt_logprobs < 0:
+                raise ValueError(f"prompt_logprobs must be None or an int >= 0, got {prompt_logprobs!r}")
+            if (config.num_beams or 1) > 1 or lockstep is not None:
+                raise NotImplementedError("prompt_logprobs with beam search or a model.generate batch is not supported")
+            request.num_prompt_logprobs, request.prompt_logprobs = prompt_logprobs, [None]
         if structured is not None:
             request.matcher = self._matcher(structured, tokenizer, sampling.eos_token_ids, config.num_beams or 1)
         if (num_beams := config.num_beams or 1) > 1:

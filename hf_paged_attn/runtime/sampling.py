@@ -419,6 +419,18 @@ def token_logprob(scores: torch.Tensor, token: int, k: int | None) -> TokenLogpr
     return TokenLogprob(token, float(logprobs[token]), top)
 
 
+def prompt_token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:
+    """Prompt log-probabilities: ``tokens[i]``'s under the raw ``logits[i]`` [P, vocab] (the
+    model's distribution after the tokens before it) and its ``k`` best alternatives, in one pass."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [P, vocab]
+    index = torch.tensor(tokens, device=logits.device).unsqueeze(1)  # [P, 1]
+    chosen = logprobs.gather(1, index).squeeze(1).tolist()  # [P]
+    if not k:
+        return [TokenLogprob(t, lp) for t, lp in zip(tokens, chosen)]
+    values, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)  # [P, k]
+    return [TokenLogprob(t, lp, list(zip(i, v))) for t, lp, i, v in zip(tokens, chosen, ids.tolist(), values.tolist())]
+
+
 def resolve_max_new_tokens(config: GenerationConfig, prompt_length: int, value: int | None) -> int:
     """``value``, else the config's ``max_new_tokens``, else what its ``max_length`` leaves (20 as
     transformers' default); ValueError unless it is a positive int."""

@@ -21,11 +21,12 @@ import torch
 from ..core.intake import Intake
 from ..core.kv_manager import KVBlockManager
 from ..core.request import Request, RequestOutput
+from ..attention.step import prompt_scoring
 from ..core.scheduler import Scheduler, SchedulerOutput
 from .beam import BeamGroup
 from .lockstep import Lockstep
 from .processors import TokenHistory
-from .sampling import Sample, sample_one, sample_rows, should_stop
+from .sampling import Sample, prompt_token_logprobs, sample_one, sample_rows, should_stop
 from .speculative.verify import verify_step
 from .stats import StepCounters
 
@@ -49,8 +50,14 @@ class Updater:
 
     def apply(self, plan: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
         """The step ran: ``logits`` [num_sampled, vocab] float32, one row per request whose chunk
-        reached the end of its known tokens, in scheduling order (speculating requests: all theirs)."""
+        reached the end of its known tokens, in scheduling order (speculating requests: all theirs),
+        then the rows that score prompt tokens (``prompt_logprobs``), which are recorded first."""
         outputs: list[RequestOutput] = []
+        scored = prompt_scoring(plan.scheduled)
+        if scored:  # prompt_logprobs: their rows follow the sampled ones (attention/step.py)
+            num_rows = sum(len(positions) for _, positions in scored)
+            self._score_prompts(plan, scored, logits[logits.shape[0] - num_rows :])
+            logits = logits[: logits.shape[0] - num_rows]
         if plan.num_lookahead_tokens:  # speculating requests are verified apart (speculative/verify.py)
             plan, logits, outputs = verify_step(self, plan, logits)
         if self.history is None:
@@ -109,6 +116,18 @@ class Updater:
         return outputs
 
     # ----------------------------------------------------------------------------- per request
+    @staticmethod
+    def _score_prompts(plan: SchedulerOutput, scored: list[tuple[int, range]], logits: torch.Tensor) -> None:
+        """Record the prompt log-probabilities of the step's scoring rows ``logits`` [rows, vocab]."""
+        row = 0
+        for i, positions in scored:
+            request = plan.scheduled[i].request
+            assert request.prompt_logprobs is not None and request.num_prompt_logprobs is not None
+            tokens = request.prompt_ids[positions.start + 1 : positions.stop + 1]  # position p scores token p + 1
+            rows = logits[row : row + len(positions)]
+            request.prompt_logprobs += prompt_token_logprobs(rows, tokens, request.num_prompt_logprobs)
+            row += len(positions)
+
     def _record(self, request: Request, sample: Sample | Exception, logits: torch.Tensor) -> list[RequestOutput]:
         """Record ``sample`` on ``request``, finish it if it should stop; its output of this step."""
         if isinstance(sample, Exception):
