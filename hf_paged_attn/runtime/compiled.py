@@ -23,6 +23,14 @@ warm-up's rows) are harmless: the attention op never lets them touch the cache a
 for them; every other op of a decoder is row-wise (projections, norms, rotary, MLP), so they
 cannot change a real row; their logits are never taken.
 
+Eager steps and the background compile exclude each other only where they must: torch.fx's tracer
+(AOT autograd traces the graph with it) patches ``torch.nn.Module.__call__`` and ``__getattr__``
+for the whole process while it traces, so an eager forward in another thread would run through the
+tracer (``NameError: module is not installed as a submodule``: a soak failed a step's requests that
+way) or into the trace. ``guard_fx_tracing`` makes every trace take ``FX_TRACE_LOCK``, which every
+eager step of a ``CompiledExecutor`` holds: a step waits while a trace runs (seconds, once), and
+the rest of the compile (lowering, C++ builds) runs beside the steps.
+
 What runs eagerly instead: every step until the graph is ready, the first step of an engine (it
 confirms each layer's window and runs the model checks, ``check_attention_call``, that the graph
 skips), beam search, and everything once the compile has failed (logged, as a failed CUDA graph
@@ -34,6 +42,7 @@ every step through version counters, ``CompiledModel.stale``), the model runs ea
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import operator
 import os
@@ -68,6 +77,26 @@ INDUCTOR_OPTIONS: dict[str, object] = {"freezing": True}
 WARMUP_ROWS = 16  # the compile's example step (oneDNN packs the weights for about this many rows)
 RECOMPILE_LIMIT = 64  # dynamo's graphs per code object: every model compiles the same function
 SKIP_GUARDS = os.environ.get("HF_PAGED_ATTN_SKIP_GUARDS", "1") != "0"
+
+
+FX_TRACE_LOCK = threading.RLock()  # held by a torch.fx trace, and by every eager step of a CompiledExecutor
+
+
+def guard_fx_tracing() -> None:
+    """Make ``torch.fx.Tracer.trace`` (every subclass calls it) hold ``FX_TRACE_LOCK``: its patches
+    of ``torch.nn.Module`` are process-wide (see the module's docstring). Idempotent."""
+    tracer = torch.fx.Tracer
+    if getattr(tracer.trace, "holds_fx_trace_lock", False):
+        return
+    trace = tracer.trace
+
+    @functools.wraps(trace)
+    def locked_trace(self: torch.fx.Tracer, *args: object, **kwargs: object) -> torch.fx.Graph:
+        with FX_TRACE_LOCK:
+            return trace(self, *args, **kwargs)
+
+    locked_trace.holds_fx_trace_lock = True  # type: ignore[attr-defined]
+    tracer.trace = locked_trace  # type: ignore[method-assign]
 
 
 class StepCache(Cache):
@@ -114,6 +143,7 @@ class CompiledModel:
             # inductor's kernels take the compiling thread's thread count: the caller's, not a new thread's default
             args = (device, torch.get_num_threads())
             self.weights = fingerprint(self.tensors)
+            guard_fx_tracing()  # before the thread can trace
             self.thread = threading.Thread(target=self._compile, args=args, name="hf_paged_attn-compile", daemon=True)
             self.thread.start()
 
@@ -263,17 +293,21 @@ class CompiledExecutor:
     def execute(self, step: StepMetadata) -> torch.Tensor:
         """Logits of the step's sampled rows, [num_sampled, vocab] float32."""
         if self.failed is not None or not self.layers.observed or step.has_beams:
-            return self.eager.execute(step)
+            return self._eager(step)
         if not self.compiled.ready.is_set():
             self.compiled.start(step.input_ids.device)
-            return self.eager.execute(step)
+            return self._eager(step)
         if self.compiled.stale():
             self.compiled.failed = "the model's weights changed after its compile froze them"
             logger.warning("hf_paged_attn: %s; steps run eagerly (PagedConfig(compile=False) skips the compile for "
                            "models that train between generations)", self.compiled.failed)  # fmt: skip
-            return self.eager.execute(step)
+            return self._eager(step)
         self.eager.prepare(step)
         return self._run(step)
+
+    def _eager(self, step: StepMetadata) -> torch.Tensor:
+        with FX_TRACE_LOCK:  # never while a compile (this model's or another's) traces: see the module's docstring
+            return self.eager.execute(step)
 
     def _run(self, step: StepMetadata) -> torch.Tensor:
         n = step.num_tokens

@@ -117,3 +117,38 @@ def test_lm_eval_hf_model_matches_sdpa_sample_for_sample(tiny_tasks, engine_step
     assert engine_steps, "lm-eval's generate_until did not run on the paged engine"
     assert len(responses["paged"]["tiny_gen"]) == len(ROWS) and len(responses["paged"]["tiny_choice"]) == len(ROWS)
     assert responses["paged"] == responses["sdpa"]  # texts and log-likelihoods, bit for bit
+
+
+def test_lm_eval_local_completions_on_our_server_equals_its_hf_model(tiny_tasks) -> None:  # noqa: ANN001
+    """lm-eval's ``local-completions`` model against ``hf-paged-attn serve``: loglikelihood (prompt
+    log-probabilities through ``echo`` + ``logprobs``) and generate_until equal to lm-eval's ``hf``
+    model on the same weights (sdpa): the same texts, log-likelihoods within float32 noise."""
+    lm_eval = pytest.importorskip("lm_eval")
+    pytest.importorskip("fastapi")
+    from lm_eval.tasks import TaskManager
+
+    from hf_paged_attn_tools.launch import ServerProcess
+
+    manager = TaskManager(include_path=tiny_tasks)
+    tasks = ["tiny_gen", "tiny_choice"]
+
+    def responses(results: dict) -> dict:
+        return {task: [s["resps"] for s in samples] for task, samples in results["samples"].items()}
+
+    expected = responses(lm_eval.simple_evaluate(
+        model="hf", model_args=f"pretrained={DEMO_MODEL},attn_implementation=sdpa,dtype=float32",
+        tasks=tasks, task_manager=manager, log_samples=True, batch_size=4, device="cpu",
+    ))  # fmt: skip
+    with ServerProcess(DEMO_MODEL, ["--served-model-name", "demo"], env={"OMP_NUM_THREADS": "1"}) as server:
+        got = responses(lm_eval.simple_evaluate(
+            model="local-completions",
+            model_args=f"base_url={server.url}/v1/completions,model=demo,tokenizer_backend=huggingface,"
+                       f"tokenizer={DEMO_MODEL},num_concurrent=4,max_retries=1,tokenized_requests=True",
+            tasks=tasks, task_manager=manager, log_samples=True,
+        ))  # fmt: skip
+    assert got["tiny_gen"] == expected["tiny_gen"]
+    assert len(got["tiny_choice"]) == len(ROWS)
+    for ours, theirs in zip(got["tiny_choice"], expected["tiny_choice"]):
+        assert len(ours) == len(theirs) == 3  # one (log-likelihood, is_greedy) per choice
+        for (ll, greedy), (ll_ref, greedy_ref) in zip((r[0] for r in ours), (r[0] for r in theirs)):
+            assert ll == pytest.approx(ll_ref, abs=1e-3) and greedy == greedy_ref

@@ -154,3 +154,39 @@ def test_compiled_demo_model_equals_sdpa(demo) -> None:
         got = run(engine, prompts, 16)
         assert engine.executor.num_compiled_steps > 10
     assert not compare_greedy(ref, prompts, expected, got)
+
+
+def test_eager_steps_wait_for_an_fx_trace_in_another_thread(llama_dir, monkeypatch) -> None:
+    """torch.fx's tracer patches ``torch.nn.Module.__call__`` for the whole process while it traces
+    (the background compile traces with it): an eager step in another thread then went through the
+    tracer and failed its requests (``NameError: module is not installed as a submodule``, found by
+    the soak). With ``guard_fx_tracing`` the step waits for the trace and is correct."""
+    import threading
+
+    ref, paged = load_pair(llama_dir)
+    monkeypatch.setattr(compiled_module.CompiledModel, "start", lambda self, device: None)  # no real compile
+    compiled_module.guard_fx_tracing()
+    tracing, release = threading.Event(), threading.Event()
+
+    class Traced(torch.nn.Module):  # a module whose trace lasts until the engine has tried a step
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = torch.nn.Linear(2, 2)
+
+        def forward(self, x):  # noqa: ANN001, ANN201
+            tracing.set()
+            release.wait(timeout=2.0)
+            return self.inner(x)
+
+    prompts = ragged_prompts(3, 3, 20, seed=9)
+    expected = greedy(ref, prompts, 6)
+    with ContinuousBatchingEngine(paged, ON) as engine:
+        engine.add_request(prompts[0], max_new_tokens=1)
+        list(engine.stream())  # the first step (eager, observes the windows) before any trace
+        tracer = threading.Thread(target=torch.fx.symbolic_trace, args=(Traced(),), daemon=True)
+        tracer.start()
+        assert tracing.wait(timeout=10)
+        threading.Timer(0.3, release.set).start()  # the step below must wait for the trace, not fail
+        got = run(engine, prompts, 6)
+        tracer.join(timeout=10)
+    assert not compare_greedy(ref, prompts, expected, got)
