@@ -178,7 +178,7 @@ class Request:
             index=self.index,
             score=self.score,
             beam_indices=self.beam_indices,
-            prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None and not self.scores_prompt else None,
+            prompt_logprobs=None if self.scores_prompt else self.prompt_logprobs,  # once the prompt is scored
         )
         self.new_ids = []
         return out

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import torch
 
+from ..attention.step import prompt_scoring
 from ..core.intake import Intake
 from ..core.kv_manager import KVBlockManager
 from ..core.request import Request, RequestOutput
-from ..attention.step import prompt_scoring
 from ..core.scheduler import Scheduler, SchedulerOutput
 from .beam import BeamGroup
 from .lockstep import Lockstep

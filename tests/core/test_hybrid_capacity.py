@@ -49,10 +49,12 @@ def run(
             return False, 0, [], 0
         scheduler.add(request)
         live.append(request)
-    for num_steps in range(10_000):
+    num_steps = 0
+    for _ in range(10_000):
         if not scheduler.has_work:
             break
         plan = scheduler.schedule()
+        num_steps += 1
         assert plan.scheduled, "a step with work scheduled nothing"
         for s in plan.scheduled:
             kv.commit(s.request, s.num_new_tokens)

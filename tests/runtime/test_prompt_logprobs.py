@@ -41,7 +41,8 @@ def finals(engine: ContinuousBatchingEngine) -> dict[str, object]:
 def test_equal_to_sdpa_and_generation_unchanged(llama_pair, max_batch_tokens):
     ref, paged = llama_pair
     prompts = ragged_prompts(4, 5, 29, seed=3)
-    engine = ContinuousBatchingEngine(paged, PagedConfig(block_size=4, num_blocks=96, max_batch_tokens=max_batch_tokens))
+    config = PagedConfig(block_size=4, num_blocks=96, max_batch_tokens=max_batch_tokens)
+    engine = ContinuousBatchingEngine(paged, config)
     ids = [engine.add_request(p, max_new_tokens=6, prompt_logprobs=K if i % 2 == 0 else None)
            for i, p in enumerate(prompts)]  # neighbours that do not score share every step
     out = finals(engine)
