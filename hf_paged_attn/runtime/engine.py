@@ -101,6 +101,7 @@ class ContinuousBatchingEngine(BatchAPI):
         padding: Sequence[int] | None = None,
         structured: object | None = None,
         lockstep: Lockstep | None = None,
+        ignore_eos: bool = False,
     ) -> str:
         """Queue one prompt; returns its request id. Bad input raises ValueError and queues nothing.
 
@@ -113,6 +114,9 @@ class ContinuousBatchingEngine(BatchAPI):
         ``{"grammar": ...}``) the output must match; needs ``tokenizer`` and the ``[structured]`` extra.
         ``lockstep``: the ``model.generate`` batch whose caller's processors and criteria the
         request's row runs under (``lockstep.py``; its own ``logits_processor`` is then None).
+        ``ignore_eos``: EOS does not end the request (vLLM's ``ignore_eos``; a benchmark's fixed output
+        length): an EOS token is kept like any other, and only ``max_new_tokens`` and the stop criteria
+        end it; processors still see the EOS (``min_new_tokens``). Not with ``structured``.
         """
         text_config = self.model.config.get_text_config()
         prompt = validate_prompt(input_ids, text_config.vocab_size, self.max_position_embeddings)
@@ -126,10 +130,12 @@ class ContinuousBatchingEngine(BatchAPI):
         sampling = make_sampling_params(
             self.model, config, len(prompt), logits_processor,
             stopping_criteria=stopping_criteria, tokenizer=tokenizer, seed=seed, logprobs=logprobs,
-            max_new_tokens=max_new_tokens, prefix=padding, lockstep=lockstep,
+            max_new_tokens=max_new_tokens, prefix=padding, lockstep=lockstep, ignore_eos=ignore_eos,
         )  # fmt: skip
         request = Request("", prompt, max_new_tokens, sampling, arrival=0, priority=priority)
         if structured is not None:
+            if ignore_eos:  # the grammar's end is its EOS
+                raise ValueError("ignore_eos cannot be combined with structured outputs: a complete output ends at EOS")
             request.matcher = self._matcher(structured, tokenizer, sampling.eos_token_ids, config.num_beams or 1)
         if (num_beams := config.num_beams or 1) > 1:
             request.group = BeamGroup(request, num_beams, int(config.num_return_sequences or 1))

@@ -233,7 +233,7 @@ class Handlers:
         # defaults, cost ~0.2 ms of the event loop per request, which a burst of arrivals waits on.
         # Stop sequences are ours alone (text.IncrementalText, stops.StopMatcher): the engine's
         # stop_strings would build transformers' vocabulary x length table per distinct string.
-        for name, value in (("logprobs", top_logprobs), ("seed", req.seed)):
+        for name, value in (("logprobs", top_logprobs), ("seed", req.seed), ("ignore_eos", req.ignore_eos or None)):
             if value is None:
                 continue
             if name not in self.engine_options:
@@ -241,6 +241,9 @@ class Handlers:
                                "unsupported_parameter")
             kwargs[name] = value
         spec, param = structure
+        if spec is not None and req.ignore_eos:
+            raise APIError(400, f"ignore_eos cannot be combined with {param}: a constrained output ends where its "
+                           "grammar does, at EOS", "ignore_eos", "invalid_value")
         if spec is not None:
             if not self.structured_ok:
                 raise APIError(400, f"{param}: structured outputs are not available on this server (they need the "

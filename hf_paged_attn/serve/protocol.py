@@ -137,6 +137,8 @@ class _Sampling(StructuredFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: _text(MAX_NAME_CHARS) | None = None
+    # vLLM's: EOS does not end the output (a benchmark's fixed output length); max_tokens and stop still do.
+    ignore_eos: bool = False
     # Accepted only at their neutral value (checked in unsupported_options).
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, **_FLOAT)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, **_FLOAT)

@@ -22,17 +22,14 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from hf_paged_attn.demo import DEMO_MODEL, PROMPTS  # noqa: E402
-from hf_paged_attn_tools.launch import ServerProcess  # noqa: E402
 
 NAME = "demo"
 TIMEOUT = 60.0  # per HTTP call: a loaded CI machine is slow, a hang must still fail
 
 
 @pytest.fixture(scope="module")
-def server():
-    args = ["--served-model-name", NAME, "--num-blocks", "512", "--max-num-seqs", "64"]
-    with ServerProcess(DEMO_MODEL, args, env={"OMP_NUM_THREADS": "1"}) as proc:
-        yield proc
+def server(demo_server):  # conftest.py: one server for the session (NAME is its served name)
+    return demo_server
 
 
 @pytest.fixture(scope="module")
