@@ -121,8 +121,7 @@ class Handlers:
         run = await self._start(job)
         meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.settings.model_name}
         if req.stream:
-            usage = req.stream_options is not None and req.stream_options.include_usage
-            return _sse(_completion_chunks(run, meta, echo, usage))
+            return _sse(_completion_chunks(run, meta, echo, StreamUsage.of(req)))
         events = await _collect(run, request)
         choices = []
         for choice in job.choices:
@@ -146,8 +145,7 @@ class Handlers:
         tools = self.tool_format if req.parses_tool_calls() else None
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.settings.model_name}
         if req.stream:
-            usage = req.stream_options is not None and req.stream_options.include_usage
-            return _sse(_chat_chunks(run, meta, usage, tools))
+            return _sse(_chat_chunks(run, meta, StreamUsage.of(req), tools))
         events = await _collect(run, request)
         choices = []
         for choice in job.choices:
@@ -325,6 +323,26 @@ def _usage(job: Job) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+@dataclass(frozen=True, slots=True)
+class StreamUsage:
+    """What a stream says of its usage (``stream_options``): ``final``, a last chunk with the usage and no
+    choices; ``continuous``, the usage so far (all of the request's choices) on every chunk."""
+
+    final: bool = False
+    continuous: bool = False
+
+    @staticmethod
+    def of(req: Any) -> StreamUsage:
+        options = req.stream_options
+        return StreamUsage(options.include_usage, options.continuous_usage_stats) if options else StreamUsage()
+
+    def chunk(self, job: Job) -> dict[str, Any]:
+        """The usage field of a chunk with choices: the usage so far, null (OpenAI's), or none at all."""
+        if self.continuous:
+            return {"usage": _usage(job)}
+        return {"usage": None} if self.final else {}
+
+
 def _completion_logprobs(entries: list[TokenInfo], shift: int) -> dict[str, Any]:
     return {
         "tokens": [e.text for e in entries],
@@ -358,14 +376,13 @@ def _sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
 
 
 async def _completion_chunks(
-    run: JobRun, meta: dict[str, Any], echo: list[str], usage: bool
+    run: JobRun, meta: dict[str, Any], echo: list[str], usage: StreamUsage
 ) -> AsyncIterator[dict[str, Any]]:
     base = {**meta, "object": "text_completion"}
-    extra = {"usage": None} if usage else {}
     for choice in run.job.choices:
         if echo[choice.prompt_index]:
             yield {**base, "choices": [{"index": choice.index, "text": echo[choice.prompt_index], "logprobs": None,
-                                        "finish_reason": None}], **extra}
+                                        "finish_reason": None}], **usage.chunk(run.job)}
     async for event in run.events():
         if not (event.text or event.logprobs or event.finish_reason):
             continue
@@ -373,22 +390,21 @@ async def _completion_chunks(
         logprobs = _completion_logprobs(event.logprobs, shift) if run.job.want_logprobs else None
         choice = {"index": event.choice.index, "text": event.text, "logprobs": logprobs,
                   "finish_reason": event.finish_reason}
-        yield {**base, "choices": [choice], **extra}
-    if usage:
+        yield {**base, "choices": [choice], **usage.chunk(run.job)}
+    if usage.final:
         yield {**base, "choices": [], "usage": _usage(run.job)}
 
 
 async def _chat_chunks(
-    run: JobRun, meta: dict[str, Any], usage: bool, tools: ToolCallFormat | None = None
+    run: JobRun, meta: dict[str, Any], usage: StreamUsage, tools: ToolCallFormat | None = None
 ) -> AsyncIterator[dict[str, Any]]:
     """The chunks of a streamed chat; with ``tools``, tool calls as OpenAI streams them."""
     base = {**meta, "object": "chat.completion.chunk"}
-    extra = {"usage": None} if usage else {}
     parsers = {choice.index: ToolCallStream(tools) for choice in run.job.choices} if tools is not None else {}
     for choice in run.job.choices:
         first = {"index": choice.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                  "finish_reason": None}
-        yield {**base, "choices": [first], **extra}
+        yield {**base, "choices": [first], **usage.chunk(run.job)}
     async for event in run.events():
         if not (event.text or event.logprobs or event.finish_reason):
             continue
@@ -407,7 +423,7 @@ async def _chat_chunks(
         for i, delta in enumerate(deltas):
             choice = {"index": event.choice.index, "delta": delta, "logprobs": logprobs if i == 0 else None,
                       "finish_reason": finish if i == len(deltas) - 1 else None}
-            yield {**base, "choices": [choice], **extra}
-    if usage:
+            yield {**base, "choices": [choice], **usage.chunk(run.job)}
+    if usage.final:
         yield {**base, "choices": [], "usage": _usage(run.job)}
 

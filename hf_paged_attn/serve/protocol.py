@@ -117,8 +117,12 @@ StopSequences = (
 
 # ------------------------------------------------------------------------------------ the models
 class StreamOptions(BaseModel):
+    """``include_usage``: a last chunk with the request's ``usage`` (OpenAI's). ``continuous_usage_stats``
+    (vLLM's): every chunk carries the usage so far (vLLM also wants ``include_usage`` for it)."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _Sampling(StructuredFields):

@@ -51,3 +51,77 @@ def test_ignore_eos_with_a_grammar_is_refused(client):
         client.completions.create(model=NAME, prompt="x", max_tokens=4,
                                   extra_body={"ignore_eos": True, "guided_regex": "a+"})
     assert info.value.body["param"] == "ignore_eos"
+
+
+# ------------------------------------------------------------------------------- stream_options
+def check_continuous_usage(chunks, num_prompt_tokens: int, final: bool) -> None:
+    """Every chunk with choices carries the usage so far: the prompt's, and the tokens generated until then."""
+    with_choices = [c for c in chunks if c.choices]
+    assert with_choices and all(c.usage is not None for c in with_choices)
+    completion = [c.usage.completion_tokens for c in with_choices]
+    assert completion == sorted(completion) and completion[-1] > 0
+    for c in with_choices:
+        assert c.usage.prompt_tokens == num_prompt_tokens
+        assert c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+    if final:  # include_usage: a last chunk without choices, the same totals
+        assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == completion[-1]
+    else:
+        assert chunks[-1].choices
+
+
+@pytest.mark.parametrize("final", [True, False])
+def test_continuous_usage_stats_on_completions(client, final):
+    options = {"include_usage": final, "continuous_usage_stats": True}
+    stream = client.completions.create(model=NAME, prompt="The with statement", max_tokens=10, temperature=0,
+                                       stream=True, stream_options=options)
+    text, finish, chunks = streamed(stream)
+    assert finish == "length" and chunks[-1].usage.completion_tokens == 10
+    plain = client.completions.create(model=NAME, prompt="The with statement", max_tokens=10, temperature=0)
+    assert text == plain.choices[0].text
+    check_continuous_usage(chunks, plain.usage.prompt_tokens, final)
+    # without continuous_usage_stats, the chunks with choices have "usage": null, as OpenAI sends them
+    chunks = list(client.completions.create(model=NAME, prompt="The with statement", max_tokens=4, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in chunks if c.choices) and chunks[-1].usage.completion_tokens == 4
+
+
+def test_continuous_usage_stats_on_chat_counts_every_choice(client):
+    messages = [{"role": "user", "content": "What is a list?"}]
+    stream = client.chat.completions.create(
+        model=NAME, messages=messages, max_completion_tokens=6, temperature=0, n=2, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].usage.completion_tokens == 0
+    plain = client.chat.completions.create(model=NAME, messages=messages, max_completion_tokens=6, temperature=0)
+    check_continuous_usage(chunks, plain.usage.prompt_tokens, final=True)
+    assert chunks[-1].usage.completion_tokens == 12  # both choices: the request's usage so far, as the final one
+
+
+# ------------------------------------------------------------------------------- guidellm's bodies
+def test_guidellm_bodies_are_served(demo_server):
+    """The bodies guidellm 0.8.1's OpenAI backend sends for a fixed output length (request_handlers.py:
+    TextCompletionsRequestHandler.format / ChatCompletionsRequestHandler.format; ``stop: None`` is
+    dropped before sending), raw, as it posts them."""
+    import json
+    import urllib.request
+
+    stream = {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    bodies = {
+        "/v1/completions": {"model": NAME, **stream, "max_tokens": 20, "ignore_eos": True, "prompt": EOS_PROMPT},
+        "/v1/chat/completions": {
+            "model": NAME, **stream, "max_completion_tokens": 20, "ignore_eos": True,
+            "messages": [{"role": "system", "content": "You explain Python."},
+                         {"role": "user", "content": [{"type": "text", "text": EOS_PROMPT}]}],
+        },
+    }
+    for path, body in bodies.items():
+        request = urllib.request.Request(demo_server.url + path, json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=TIMEOUT) as response:
+            lines = [line[6:] for line in response.read().decode().splitlines() if line.startswith("data: ")]
+        assert lines[-1] == "[DONE]"
+        events = [json.loads(line) for line in lines[:-1]]
+        assert all(e.get("usage") for e in events), path  # every chunk: what guidellm reads its counts from
+        assert events[-1]["usage"]["completion_tokens"] == 20, path
+        assert [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]] == ["length"]

@@ -89,13 +89,23 @@ stops = st.none() | safe_text.map(lambda s: s[:8]) | st.lists(safe_text, max_siz
 sampling = {
     "temperature": st.none() | st.floats(0.0, 2.0), "top_p": st.none() | st.floats(0.01, 1.0), "n": st.integers(1, 2),
     "stop": stops, "seed": st.none() | st.integers(-(2**63), 2**63 - 1), "stream": st.booleans(), "user": safe_text,
-    "presence_penalty": st.just(0.0), "frequency_penalty": st.just(0.0),
+    "presence_penalty": st.just(0.0), "frequency_penalty": st.just(0.0), "ignore_eos": st.booleans(),
+    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans(),
+                                                          "continuous_usage_stats": st.booleans()}),
 }
+
+
+def streamed_options(body: dict) -> dict:
+    """stream_options only where stream is true (a 400 otherwise, which the valid bodies must not get)."""
+    if not body.get("stream"):
+        body.pop("stream_options", None)
+    return body
+
 completion = st.fixed_dictionaries(
     {"model": st.just(NAME), "prompt": safe_text | st.lists(safe_text, min_size=1, max_size=3) | token_ids
      | st.lists(token_ids, min_size=1, max_size=3)},
     optional={**sampling, "max_tokens": st.integers(1, 6), "logprobs": st.none() | st.integers(0, 5)},
-).filter(lambda b: b.get("max_tokens") is not None)
+).filter(lambda b: b.get("max_tokens") is not None).map(streamed_options)
 message = st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "developer", "user", "assistant"]),
      "content": safe_text | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": safe_text}), max_size=2)},
@@ -105,13 +115,13 @@ chat = st.fixed_dictionaries(
     {"model": st.just(NAME), "messages": st.lists(message, min_size=1, max_size=3),
      "max_tokens": st.integers(1, 6)},
     optional={**sampling, "logprobs": st.booleans()},
-)
+).map(streamed_options)
 STRUCTURED_FIELDS = ["response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                      "guided_grammar"]
 COMPLETION_FIELDS = ["model", "prompt", "max_tokens", "logprobs", "echo", "best_of", "suffix", "logit_bias",
-                     *sampling, "stream_options", *STRUCTURED_FIELDS]
+                     *sampling, *STRUCTURED_FIELDS]
 CHAT_FIELDS = ["model", "messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "logit_bias",
-               "tools", "tool_choice", "parallel_tool_calls", "metadata", "store", *sampling, "stream_options",
+               "tools", "tool_choice", "parallel_tool_calls", "metadata", "store", *sampling,
                *STRUCTURED_FIELDS]
 
 
