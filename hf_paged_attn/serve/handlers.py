@@ -223,6 +223,9 @@ class Handlers:
                     f"for {len(prompt) + limit} ({len(prompt)} in the prompt, {limit} to generate)",
                     prompt_param if len(prompt) >= self.context_length else "max_tokens", "context_length_exceeded",
                 )
+            if (req.min_tokens or 0) > limit:
+                raise APIError(400, f"min_tokens={req.min_tokens} is more than max_tokens={limit}", "min_tokens",
+                               "invalid_value")
         kwargs: dict[str, Any] = {}
         changes = self._sampling_changes(req)
         if changes:
@@ -249,7 +252,7 @@ class Handlers:
                                "unsupported_parameter")
             kwargs.update(structured=spec, tokenizer=self.tokenizer)
         return Job(prompts, req.n, limits, req.stop_list(), kwargs, want_logprobs=top_logprobs is not None,
-                   structured_param=param)
+                   structured_param=param, min_tokens=req.min_tokens or 0)
 
     def _sampling_changes(self, req: Any) -> dict[str, Any]:
         """The generation-config fields the request sets to something other than the engine's."""
@@ -260,6 +263,8 @@ class Handlers:
                 wanted["temperature"] = req.temperature
         if req.top_p is not None:
             wanted["top_p"] = req.top_p
+        if req.min_tokens is not None:  # transformers' MinNewTokensLengthLogitsProcessor suppresses EOS
+            wanted["min_new_tokens"] = req.min_tokens or None
         base = self.generation_config
         return {k: v for k, v in wanted.items() if getattr(base, k, None) != v and not (
             k == "num_return_sequences" and getattr(base, k, None) is None)}

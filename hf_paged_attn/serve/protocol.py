@@ -143,6 +143,8 @@ class _Sampling(StructuredFields):
     user: _text(MAX_NAME_CHARS) | None = None
     # vLLM's: EOS does not end the output (a benchmark's fixed output length); max_tokens and stop still do.
     ignore_eos: bool = False
+    # vLLM's: EOS is suppressed, and stop sequences may not end, within the first min_tokens tokens.
+    min_tokens: int | None = Field(default=None, ge=0, le=MAX_TOKENS)
     # Accepted only at their neutral value (checked in unsupported_options).
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, **_FLOAT)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, **_FLOAT)

@@ -20,6 +20,25 @@ def client(demo_server):
     return openai.OpenAI(base_url=demo_server.url + "/v1", api_key="none", max_retries=0, timeout=TIMEOUT)
 
 
+@pytest.fixture(scope="module")
+def reference():
+    """(tokenizer, generate): transformers' own sdpa generate on the demo model, greedy, decoded."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_paged_attn.demo import DEMO_MODEL
+
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL)
+    model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, attn_implementation="sdpa").eval()
+
+    def generate(prompt: str, max_new_tokens: int, **options) -> str:
+        ids = tokenizer(prompt)["input_ids"]
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, **options)
+        return tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
+
+    return tokenizer, generate
+
+
 def streamed(chunks) -> tuple[str, str | None, list]:
     """(text, last finish_reason, chunks) of a streamed completion."""
     chunks = list(chunks)
@@ -125,3 +144,37 @@ def test_guidellm_bodies_are_served(demo_server):
         assert all(e.get("usage") for e in events), path  # every chunk: what guidellm reads its counts from
         assert events[-1]["usage"]["completion_tokens"] == 20, path
         assert [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]] == ["length"]
+
+
+# ------------------------------------------------------------------------------- min_tokens
+def test_min_tokens_suppresses_eos_until_then(client, reference):
+    _, generate = reference
+    out = client.completions.create(model=NAME, prompt=EOS_PROMPT, max_tokens=24, temperature=0,
+                                    extra_body={"min_tokens": 18})
+    assert out.usage.completion_tokens >= 18  # greedy alone stops at EOS after 13
+    assert out.choices[0].text == generate(EOS_PROMPT, 24, min_new_tokens=18)
+    with pytest.raises(openai.BadRequestError, match="min_tokens") as info:
+        client.completions.create(model=NAME, prompt="x", max_tokens=4, extra_body={"min_tokens": 5})
+    assert info.value.body["param"] == "min_tokens"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_min_tokens_passes_over_stop_sequences_that_end_in_the_first_tokens(client, reference, stream):
+    tokenizer, generate = reference
+    ids = tokenizer(EOS_PROMPT)["input_ids"]
+    full = generate(EOS_PROMPT, 12)  # " a tuple (a string, string, string, string)"
+    first = full.index("string") + len("string")
+    min_tokens = next(k for k in range(1, 12) if len(generate(EOS_PROMPT, k)) >= first)  # its token
+    quiet = len(generate(EOS_PROMPT, min_tokens))
+    assert full.find("string", quiet - len("string") + 1) > 0  # another one ends later
+    want = full[: next(i for i in range(len(full)) if full.startswith("string", i) and i + 6 > quiet)]
+    kwargs = {"model": NAME, "prompt": ids, "max_tokens": 12, "temperature": 0, "stop": "string",
+              "extra_body": {"min_tokens": min_tokens}}
+    if stream:
+        text, finish, _ = streamed(client.completions.create(**kwargs, stream=True))
+    else:
+        out = client.completions.create(**kwargs)
+        text, finish = out.choices[0].text, out.choices[0].finish_reason
+    assert text == want and finish == "stop" and len(want) > first
+    plain = client.completions.create(**{**kwargs, "extra_body": {}})
+    assert plain.choices[0].text == full[: first - len("string")]  # without min_tokens: the first one
