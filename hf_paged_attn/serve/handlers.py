@@ -265,6 +265,8 @@ class Handlers:
             wanted["top_p"] = req.top_p
         if req.min_tokens is not None:  # transformers' MinNewTokensLengthLogitsProcessor suppresses EOS
             wanted["min_new_tokens"] = req.min_tokens or None
+        if req.logit_bias:  # read by the engine's processor plan (processors.plan.openai_options)
+            wanted["logit_bias"] = req.token_bias()
         base = self.generation_config
         return {k: v for k, v in wanted.items() if getattr(base, k, None) != v and not (
             k == "num_return_sequences" and getattr(base, k, None) is None)}

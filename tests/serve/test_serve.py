@@ -268,7 +268,8 @@ BAD = [
     ("completions", {**GOOD, "presence_penalty": 0.5}, "presence_penalty"),
     ("completions", {**GOOD, "frequency_penalty": 1}, "frequency_penalty"),
     ("completions", {**GOOD, "best_of": 3}, "best_of"),
-    ("completions", {**GOOD, "logit_bias": {"5": 1}}, "logit_bias"),
+    ("completions", {**GOOD, "logit_bias": {"5000": 1}}, "logit_bias"),  # outside the vocabulary
+    ("chat/completions", {**CHAT, "logit_bias": {"x": 1}}, "logit_bias"),
     ("completions", {**GOOD, "no_such_option": 1}, "no_such_option"),
     ("completions", {**GOOD, "stream_options": {"include_usage": True}}, "stream_options"),
     ("completions", {"prompt": "x"}, "model"),

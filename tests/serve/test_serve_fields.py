@@ -178,3 +178,50 @@ def test_min_tokens_passes_over_stop_sequences_that_end_in_the_first_tokens(clie
     assert text == want and finish == "stop" and len(want) > first
     plain = client.completions.create(**{**kwargs, "extra_body": {}})
     assert plain.choices[0].text == full[: first - len("string")]  # without min_tokens: the first one
+
+
+# ------------------------------------------------------------------------------- logit_bias
+def test_logit_bias_plus_100_makes_greedy_write_that_token(client, reference):
+    tokenizer, _ = reference
+    token = tokenizer(" tuple", add_special_tokens=False)["input_ids"][-1]
+    out = client.completions.create(model=NAME, prompt="The for statement", max_tokens=5, temperature=0,
+                                    logit_bias={str(token): 100}, logprobs=1)
+    assert out.choices[0].logprobs.tokens == [tokenizer.decode([token])] * 5
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          temperature=0, logit_bias={str(token): 100})
+    assert chat.choices[0].message.content == tokenizer.decode([token] * 4)
+
+
+def test_logit_bias_equals_transformers_sequence_bias(client, reference):
+    tokenizer, generate = reference
+    ids = tokenizer(EOS_PROMPT)["input_ids"]
+    first = tokenizer(generate(EOS_PROMPT, 1), add_special_tokens=False)["input_ids"][0]  # greedy's first token
+    bias = {first: -100.0, 14: 3.5}
+    want = generate(EOS_PROMPT, 10, sequence_bias={(t,): b for t, b in bias.items()})
+    out = client.completions.create(model=NAME, prompt=ids, max_tokens=10, temperature=0,
+                                    logit_bias={str(t): b for t, b in bias.items()})
+    assert out.choices[0].text == want != generate(EOS_PROMPT, 10)
+
+
+def test_chat_ignore_eos_with_eos_forced_by_logit_bias(client, reference):
+    tokenizer, _ = reference
+    eos = {str(tokenizer.eos_token_id): 100}
+    messages = [{"role": "user", "content": "What is a list?"}]
+    stopped = client.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0,
+                                             logit_bias=eos)
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 1
+    kept = client.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0,
+                                          logit_bias=eos, extra_body={"ignore_eos": True})
+    assert kept.choices[0].finish_reason == "length" and kept.usage.completion_tokens == 6
+    assert kept.choices[0].message.content == ""  # six EOS tokens, whose text is dropped
+
+
+@pytest.mark.parametrize("bias", [{"abc": 1}, {"-1": 1}, {"05": 1}, {"4096": 1}, {" 5": 1}, {"5": 101},
+                                  {"5": "1"}, {"5": True}, {str(i): 1 for i in range(301)}])
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_bad_logit_bias_is_a_400_naming_it(demo_server, endpoint, bias):
+    from .test_serve import CHAT, GOOD, raw
+
+    body = {**(CHAT if endpoint.startswith("chat") else GOOD), "logit_bias": bias}
+    status, payload = raw(demo_server, "POST", f"/v1/{endpoint}", body)
+    assert status == 400 and payload["error"]["param"] == "logit_bias", payload

@@ -41,7 +41,11 @@ FUZZ = settings(
 )
 # A bad value of one field may be reported on a field it depends on (or that depends on it).
 RELATED = {"prompt": {"max_tokens"}, "messages": {"max_tokens"}, "logprobs": {"top_logprobs"},
-           "stream": {"stream_options"}, "max_completion_tokens": {"max_tokens"}, "n": {"best_of"}}
+           "stream": {"stream_options"}, "max_completion_tokens": {"max_tokens", "min_tokens"}, "n": {"best_of"},
+           "max_tokens": {"min_tokens"}}
+# A constrained output (a structured-output field, a forced tool call) refuses the body's ignore_eos.
+RELATED.update({name: {"ignore_eos"} for name in ("response_format", "structured_outputs", "guided_json",
+                                                  "guided_regex", "guided_choice", "guided_grammar", "tool_choice")})
 
 
 @pytest.fixture(scope="module")
@@ -90,22 +94,27 @@ sampling = {
     "temperature": st.none() | st.floats(0.0, 2.0), "top_p": st.none() | st.floats(0.01, 1.0), "n": st.integers(1, 2),
     "stop": stops, "seed": st.none() | st.integers(-(2**63), 2**63 - 1), "stream": st.booleans(), "user": safe_text,
     "presence_penalty": st.just(0.0), "frequency_penalty": st.just(0.0), "ignore_eos": st.booleans(),
+    "min_tokens": st.none() | st.integers(0, 6),
+    "logit_bias": st.dictionaries(st.integers(0, VOCAB - 1).map(str), st.floats(-100.0, 100.0), max_size=3),
     "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans(),
                                                           "continuous_usage_stats": st.booleans()}),
 }
 
 
-def streamed_options(body: dict) -> dict:
-    """stream_options only where stream is true (a 400 otherwise, which the valid bodies must not get)."""
+def consistent(body: dict) -> dict:
+    """A valid body's fields that depend on others: stream_options only where stream is true, min_tokens at
+    most max_tokens (a 400 otherwise, which the valid bodies must not get)."""
     if not body.get("stream"):
         body.pop("stream_options", None)
+    if body.get("min_tokens") is not None:
+        body["min_tokens"] = min(body["min_tokens"], body.get("max_tokens", 1))
     return body
 
 completion = st.fixed_dictionaries(
     {"model": st.just(NAME), "prompt": safe_text | st.lists(safe_text, min_size=1, max_size=3) | token_ids
      | st.lists(token_ids, min_size=1, max_size=3)},
     optional={**sampling, "max_tokens": st.integers(1, 6), "logprobs": st.none() | st.integers(0, 5)},
-).filter(lambda b: b.get("max_tokens") is not None).map(streamed_options)
+).filter(lambda b: b.get("max_tokens") is not None).map(consistent)
 message = st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "developer", "user", "assistant"]),
      "content": safe_text | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": safe_text}), max_size=2)},
@@ -115,12 +124,12 @@ chat = st.fixed_dictionaries(
     {"model": st.just(NAME), "messages": st.lists(message, min_size=1, max_size=3),
      "max_tokens": st.integers(1, 6)},
     optional={**sampling, "logprobs": st.booleans()},
-).map(streamed_options)
+).map(consistent)
 STRUCTURED_FIELDS = ["response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                      "guided_grammar"]
-COMPLETION_FIELDS = ["model", "prompt", "max_tokens", "logprobs", "echo", "best_of", "suffix", "logit_bias",
+COMPLETION_FIELDS = ["model", "prompt", "max_tokens", "logprobs", "echo", "best_of", "suffix",
                      *sampling, *STRUCTURED_FIELDS]
-CHAT_FIELDS = ["model", "messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "logit_bias",
+CHAT_FIELDS = ["model", "messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs",
                "tools", "tool_choice", "parallel_tool_calls", "metadata", "store", *sampling,
                *STRUCTURED_FIELDS]
 
