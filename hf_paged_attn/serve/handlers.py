@@ -265,11 +265,13 @@ class Handlers:
             wanted["top_p"] = req.top_p
         if req.min_tokens is not None:  # transformers' MinNewTokensLengthLogitsProcessor suppresses EOS
             wanted["min_new_tokens"] = req.min_tokens or None
-        if req.logit_bias:  # read by the engine's processor plan (processors.plan.openai_options)
+        if req.logit_bias:  # logit_bias and OpenAI's penalties: read by the engine's processor plan (openai_options)
             wanted["logit_bias"] = req.token_bias()
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if getattr(req, name) is not None:
+                wanted[name] = getattr(req, name)
         base = self.generation_config
-        return {k: v for k, v in wanted.items() if getattr(base, k, None) != v and not (
-            k == "num_return_sequences" and getattr(base, k, None) is None)}
+        return {k: v for k, v in wanted.items() if _setting(base, k) != v}
 
     def _generation_config(self, changes: dict[str, Any]) -> GenerationConfig:
         config = copy.deepcopy(self.generation_config)
@@ -297,6 +299,15 @@ class Handlers:
             raise
         self._grammars_ready = True
         return run
+
+
+# What an unset (None) generation-config field means, where it is a value a request can name.
+NEUTRAL = {"num_return_sequences": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+
+
+def _setting(config: GenerationConfig, name: str) -> Any:
+    value = getattr(config, name, None)
+    return NEUTRAL.get(name) if value is None else value
 
 
 # --------------------------------------------------------------------------------- responses

@@ -3,7 +3,8 @@ engine call, and documented by the same models in ``/openapi.json``.
 
 Every field OpenAI defines that we cannot honour is refused by name (HTTP 400), never ignored:
 unknown fields are rejected by ``extra="forbid"``, and the few we recognise but only accept at
-their neutral value (penalties, ``best_of``) are checked in ``unsupported_options``.
+their neutral value (``best_of``, ``suffix``, ``store``, ``echo`` with ``logprobs``) are checked in
+``unsupported_options``.
 
 Every value is bounded: integers by range, floats finite, strings valid Unicode (no lone surrogates,
 which the tokenizer cannot take) and of bounded length, lists and maps of bounded size. The bounds
@@ -163,18 +164,18 @@ class _Sampling(StructuredFields):
     min_tokens: int | None = Field(default=None, ge=0, le=MAX_TOKENS)
     logit_bias: LogitBias | None = Field(default=None, description=(
         "{token id (a decimal string): bias in [-100, 100]} added to the logits; ids below the vocabulary size"))
-    # Accepted only at their neutral value (checked in unsupported_options).
+    # OpenAI's penalties over the generated tokens; vLLM's repetition_penalty (transformers'): over prompt and output.
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, **_FLOAT)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, **_FLOAT)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, **_FLOAT)
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def unsupported_options(self) -> list[str]:
-        bad = [name for name in ("presence_penalty", "frequency_penalty") if getattr(self, name) not in (None, 0, 0.0)]
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
-        return bad
+        return []
 
     def check_fields(self) -> None:
         """Checks across fields (APIError 400 naming one)."""

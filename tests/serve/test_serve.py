@@ -265,8 +265,9 @@ BAD = [
     ("completions", {**GOOD, "temperature": "hot"}, "temperature"),
     ("completions", {**GOOD, "temperature": 3}, "temperature"),
     ("completions", {**GOOD, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ("completions", {**GOOD, "presence_penalty": 0.5}, "presence_penalty"),
-    ("completions", {**GOOD, "frequency_penalty": 1}, "frequency_penalty"),
+    ("completions", {**GOOD, "presence_penalty": 2.5}, "presence_penalty"),
+    ("completions", {**GOOD, "frequency_penalty": -3}, "frequency_penalty"),
+    ("chat/completions", {**CHAT, "repetition_penalty": 0}, "repetition_penalty"),
     ("completions", {**GOOD, "best_of": 3}, "best_of"),
     ("completions", {**GOOD, "logit_bias": {"5000": 1}}, "logit_bias"),  # outside the vocabulary
     ("chat/completions", {**CHAT, "logit_bias": {"x": 1}}, "logit_bias"),
@@ -300,7 +301,7 @@ def test_unknown_route_and_client_errors(server, client):
     status, payload = raw(server, "GET", "/v1/nothing")
     assert status == 404 and payload["error"]["message"]
     with pytest.raises(openai.BadRequestError, match="presence_penalty"):
-        client.completions.create(model=NAME, prompt="x", max_tokens=2, presence_penalty=1.0)
+        client.completions.create(model=NAME, prompt="x", max_tokens=2, presence_penalty=3.0)
 
 
 def test_bad_requests_do_not_harm_a_running_one(server, reference):

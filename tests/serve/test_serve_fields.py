@@ -22,7 +22,7 @@ def client(demo_server):
 
 @pytest.fixture(scope="module")
 def reference():
-    """(tokenizer, generate): transformers' own sdpa generate on the demo model, greedy, decoded."""
+    """(tokenizer, generate, model): transformers' own sdpa generate on the demo model, greedy, decoded."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -36,7 +36,7 @@ def reference():
         out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, **options)
         return tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
 
-    return tokenizer, generate
+    return tokenizer, generate, model
 
 
 def streamed(chunks) -> tuple[str, str | None, list]:
@@ -148,7 +148,7 @@ def test_guidellm_bodies_are_served(demo_server):
 
 # ------------------------------------------------------------------------------- min_tokens
 def test_min_tokens_suppresses_eos_until_then(client, reference):
-    _, generate = reference
+    _, generate, _ = reference
     out = client.completions.create(model=NAME, prompt=EOS_PROMPT, max_tokens=24, temperature=0,
                                     extra_body={"min_tokens": 18})
     assert out.usage.completion_tokens >= 18  # greedy alone stops at EOS after 13
@@ -160,7 +160,7 @@ def test_min_tokens_suppresses_eos_until_then(client, reference):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_min_tokens_passes_over_stop_sequences_that_end_in_the_first_tokens(client, reference, stream):
-    tokenizer, generate = reference
+    tokenizer, generate, _ = reference
     ids = tokenizer(EOS_PROMPT)["input_ids"]
     full = generate(EOS_PROMPT, 12)  # " a tuple (a string, string, string, string)"
     first = full.index("string") + len("string")
@@ -182,7 +182,7 @@ def test_min_tokens_passes_over_stop_sequences_that_end_in_the_first_tokens(clie
 
 # ------------------------------------------------------------------------------- logit_bias
 def test_logit_bias_plus_100_makes_greedy_write_that_token(client, reference):
-    tokenizer, _ = reference
+    tokenizer, _, _ = reference
     token = tokenizer(" tuple", add_special_tokens=False)["input_ids"][-1]
     out = client.completions.create(model=NAME, prompt="The for statement", max_tokens=5, temperature=0,
                                     logit_bias={str(token): 100}, logprobs=1)
@@ -193,7 +193,7 @@ def test_logit_bias_plus_100_makes_greedy_write_that_token(client, reference):
 
 
 def test_logit_bias_equals_transformers_sequence_bias(client, reference):
-    tokenizer, generate = reference
+    tokenizer, generate, _ = reference
     ids = tokenizer(EOS_PROMPT)["input_ids"]
     first = tokenizer(generate(EOS_PROMPT, 1), add_special_tokens=False)["input_ids"][0]  # greedy's first token
     bias = {first: -100.0, 14: 3.5}
@@ -204,7 +204,7 @@ def test_logit_bias_equals_transformers_sequence_bias(client, reference):
 
 
 def test_chat_ignore_eos_with_eos_forced_by_logit_bias(client, reference):
-    tokenizer, _ = reference
+    tokenizer, _, _ = reference
     eos = {str(tokenizer.eos_token_id): 100}
     messages = [{"role": "user", "content": "What is a list?"}]
     stopped = client.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0,
@@ -225,3 +225,63 @@ def test_bad_logit_bias_is_a_400_naming_it(demo_server, endpoint, bias):
     body = {**(CHAT if endpoint.startswith("chat") else GOOD), "logit_bias": bias}
     status, payload = raw(demo_server, "POST", f"/v1/{endpoint}", body)
     assert status == 400 and payload["error"]["param"] == "logit_bias", payload
+
+
+# ------------------------------------------------------------------------------- penalties
+def penalized_greedy(model, prompt: list[int], max_new_tokens: int, eos: int, presence: float,
+                     frequency: float) -> list[int]:
+    """A plain reference of OpenAI's penalties: transformers' sdpa forward, counts of the generated tokens,
+    ``logit -= frequency * count + presence * (count > 0)``, argmax, until EOS."""
+    import torch
+
+    out: list[int] = []
+    with torch.no_grad():
+        while len(out) < max_new_tokens and (not out or out[-1] != eos):
+            logits = model(torch.tensor([prompt + out])).logits[0, -1].double()  # [vocab]
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.numel()).double()
+            logits -= frequency * counts + presence * (counts > 0).double()
+            out.append(int(logits.argmax()))
+    return out
+
+
+@pytest.mark.parametrize(("presence", "frequency"), [(1.5, 0.0), (0.0, 0.8), (-0.5, 1.2)])
+def test_presence_and_frequency_penalties_equal_a_plain_reference(client, reference, presence, frequency):
+    tokenizer, generate, model = reference
+    ids = tokenizer(EOS_PROMPT)["input_ids"]
+    want = penalized_greedy(model, ids, 16, tokenizer.eos_token_id, presence, frequency)
+    out = client.completions.create(model=NAME, prompt=ids, max_tokens=16, temperature=0, logprobs=0,
+                                    presence_penalty=presence, frequency_penalty=frequency)
+    assert out.usage.completion_tokens == len(want)
+    assert out.choices[0].text == tokenizer.decode(want, skip_special_tokens=True) != generate(EOS_PROMPT, 16)
+
+
+def test_repetition_penalty_equals_transformers(client, reference):
+    tokenizer, generate, _ = reference
+    want = generate(EOS_PROMPT, 16, repetition_penalty=1.8)
+    assert want != generate(EOS_PROMPT, 16)  # " a tuple (a string, string, ...": the penalty changes it
+    out = client.completions.create(model=NAME, prompt=EOS_PROMPT, max_tokens=16, temperature=0,
+                                    extra_body={"repetition_penalty": 1.8})
+    assert out.choices[0].text == want
+
+
+def test_chat_penalties_equal_the_engines_own(client, demo):
+    """All three penalties at once on chat equal the engine's own output with the same generation config."""
+    from transformers import GenerationConfig
+
+    from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
+
+    tokenizer, paged, _ = demo
+    messages = [{"role": "user", "content": "What is a list?"}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    penalties = {"presence_penalty": 0.5, "frequency_penalty": 1.0, "repetition_penalty": 1.3}
+    engine = ContinuousBatchingEngine(paged, PagedConfig(block_size=16, num_blocks=64))
+    plain, penalized = (engine.add_request(ids, max_new_tokens=16, generation_config=GenerationConfig(
+        do_sample=False, **options)) for options in ({}, penalties))
+    finals = {out.request_id: out.output_ids for out in engine.stream() if out.finished}
+    want = tokenizer.decode(finals[penalized], skip_special_tokens=True)
+    assert want != tokenizer.decode(finals[plain], skip_special_tokens=True)
+    chat = client.chat.completions.create(model=NAME, messages=messages, max_tokens=16, temperature=0,
+                                          presence_penalty=0.5, frequency_penalty=1.0,
+                                          extra_body={"repetition_penalty": 1.3})
+    assert chat.choices[0].message.content == want

@@ -93,7 +93,8 @@ stops = st.none() | safe_text.map(lambda s: s[:8]) | st.lists(safe_text, max_siz
 sampling = {
     "temperature": st.none() | st.floats(0.0, 2.0), "top_p": st.none() | st.floats(0.01, 1.0), "n": st.integers(1, 2),
     "stop": stops, "seed": st.none() | st.integers(-(2**63), 2**63 - 1), "stream": st.booleans(), "user": safe_text,
-    "presence_penalty": st.just(0.0), "frequency_penalty": st.just(0.0), "ignore_eos": st.booleans(),
+    "presence_penalty": st.none() | st.floats(-2.0, 2.0), "frequency_penalty": st.none() | st.floats(-2.0, 2.0),
+    "repetition_penalty": st.none() | st.floats(0.01, 10.0), "ignore_eos": st.booleans(),
     "min_tokens": st.none() | st.integers(0, 6),
     "logit_bias": st.dictionaries(st.integers(0, VOCAB - 1).map(str), st.floats(-100.0, 100.0), max_size=3),
     "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans(),
