@@ -37,6 +37,13 @@ from .errors import APIError, dumps, json_response, short
 from .jobs import ChoiceEvent, Job, JobRun, TokenInfo
 from .limits import CHARS_PER_TOKEN, DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, TOKENIZER_THREADS, RequestLimits
 from .protocol import ChatCompletionRequest, CompletionRequest, parse
+from .tokenization import (
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    parse_tokenize,
+    special_tokens_around,
+    tokenize_answer,
+)
 from .tool_parser import FORMATS, ToolCallFormat, ToolCallStream, detect_format, parse_tool_calls
 from .tools import NamedToolChoice, forced_grammar, template_tools
 
@@ -94,6 +101,7 @@ class Handlers:
         added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
         self.marker_ids = {m: added[m] for m in (self.tool_format.start, self.tool_format.end) if m and m in added}
         tokenizer("warm up", add_special_tokens=False)  # its first call may set state; later calls only read it
+        self.special_tokens = special_tokens_around(tokenizer)  # what /tokenize's add_special_tokens adds to a chat
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="hf-paged-tokenize")
         # Grammars compile here once the engine has its grammar compiler: the first constrained request
         # builds it from the tokenizer (~1 s for a large vocabulary), so that one runs in the tokenizer's
@@ -161,6 +169,12 @@ class Handlers:
             choices.append({"index": choice.index, "logprobs": logprobs, "finish_reason": finish, "message": message})
         return json_response({**meta, "object": "chat.completion", "choices": choices, "usage": _usage(job)})
 
+    async def tokenize(self, request: Request) -> Any:
+        return json_response(await self._off_loop(self._tokenize, await self._body(request)))
+
+    async def detokenize(self, request: Request) -> Any:
+        return json_response(await self._off_loop(self._detokenize, await self._body(request)))
+
     def models(self) -> dict[str, Any]:
         card = {"id": self.settings.model_name, "object": "model", "created": 0, "owned_by": "hf-paged-attn"}
         return {"object": "list", "data": [card]}
@@ -176,6 +190,25 @@ class Handlers:
         req: ChatCompletionRequest = parse(ChatCompletionRequest, parse_json(data), self.limits)
         self._check_model(req.model)
         return req, self._chat_prompt(req), self._chat_structure(req)
+
+    def _tokenize(self, data: bytes) -> dict[str, Any]:
+        req = parse_tokenize(parse_json(data), self.limits)
+        if req.model is not None:
+            self._check_model(req.model)
+        if isinstance(req, TokenizeChatRequest):
+            ids = self._chat_prompt(req, req.add_generation_prompt)  # what /v1/chat/completions would run
+            if req.add_special_tokens:
+                prefix, suffix = self.special_tokens
+                ids = prefix + ids + suffix
+        else:
+            ids = self.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
+        return tokenize_answer(self.tokenizer, ids, self.context_length, req.return_token_strs)
+
+    def _detokenize(self, data: bytes) -> dict[str, Any]:
+        req: DetokenizeRequest = parse(DetokenizeRequest, parse_json(data), self.limits)
+        if req.model is not None:
+            self._check_model(req.model)
+        return {"prompt": self.tokenizer.decode(req.tokens)}  # special tokens kept, as vLLM answers
 
     def _chat_structure(self, req: ChatCompletionRequest) -> Structure:
         """(the engine's spec, the field it comes from): a forced tool call's grammar, or the request's own."""
@@ -205,14 +238,17 @@ class Handlers:
                 texts.append(self.tokenizer.decode(p, skip_special_tokens=True))
         return ids, texts
 
-    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+    def _chat_prompt(
+        self, req: ChatCompletionRequest | TokenizeChatRequest, generation_prompt: bool = True
+    ) -> list[int]:
         template = self.settings.chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise APIError(400, "this model has no chat template; start the server with --chat-template FILE",
                            "messages", "no_chat_template")
         messages = [m.for_template() for m in req.messages]
         tools = template_tools(req.tools) if req.tools else None
-        return chat_prompt_ids(self.tokenizer, messages, template, tools)  # control-token text in a message stays text
+        # control-token text in a message stays text
+        return chat_prompt_ids(self.tokenizer, messages, template, tools, generation_prompt)
 
     def _job(self, req: Any, prompts: list[list[int]], limits: list[int], top_logprobs: int | None,
              prompt_param: str = "prompt", structure: Structure = (None, None)) -> Job:

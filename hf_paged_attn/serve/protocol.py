@@ -344,9 +344,10 @@ class ChatCompletionRequest(_Sampling):
 
 
 # ------------------------------------------------------------------------------------ parsing
-def parse(model: type[_Sampling], body: Any, limits: RequestLimits | None = None) -> Any:
-    """``body`` (parsed JSON) as ``model``; APIError 400 naming the first bad field otherwise.
-    With ``limits``, the model- and server-dependent bounds are checked too."""
+def parse(model: type[BaseModel], body: Any, limits: RequestLimits | None = None) -> Any:
+    """``body`` (parsed JSON) as ``model`` (a request model: ``unsupported_options``, ``check_fields``,
+    ``check``); APIError 400 naming the first bad field otherwise. With ``limits``, the model- and
+    server-dependent bounds are checked too."""
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     for key in body:  # pydantic cannot name a field whose name it cannot read

@@ -135,6 +135,20 @@ CHAT_FIELDS = ["model", "messages", "max_tokens", "max_completion_tokens", "logp
                *STRUCTURED_FIELDS]
 
 
+TOKENIZE_OPTIONS = {"model": st.just(NAME), "add_special_tokens": st.booleans(), "return_token_strs": st.booleans()}
+tokenize_bodies = {
+    "/tokenize": st.fixed_dictionaries({"prompt": safe_text}, optional=TOKENIZE_OPTIONS)
+    | st.fixed_dictionaries({"messages": st.lists(message, min_size=1, max_size=3)},
+                            optional={**TOKENIZE_OPTIONS, "add_generation_prompt": st.booleans()}),
+    "/detokenize": st.fixed_dictionaries({"tokens": st.lists(st.integers(0, VOCAB - 1), max_size=16)},
+                                         optional={"model": st.just(NAME)}),
+}
+TOKENIZE_FIELDS = {"/tokenize": ["model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                                 "return_token_strs", "tools"],
+                   "/detokenize": ["model", "tokens"]}
+TOKENIZE_RELATED = {"messages": {"prompt"}, "prompt": {"messages"}}  # the field that says which form a body is
+
+
 def encode(body) -> bytes:
     """Python's json: NaN and Infinity come out as the non-JSON words the server must refuse."""
     return json.dumps(body).encode()
@@ -210,6 +224,27 @@ def test_one_hostile_field_is_a_400_naming_it(client, data, chat_endpoint):
 
 
 @FUZZ
+@given(data=st.data(), path=st.sampled_from(sorted(tokenize_bodies)))
+def test_tokenize_and_detokenize(client, data, path):
+    """Valid bodies are answered in vLLM's shape; one hostile field is a 400 naming it."""
+    body = data.draw(tokenize_bodies[path])
+    status, headers, payload = client.send("POST", path, encode(body), "application/json")
+    assert status == 200, payload[:500]
+    answer = strict(payload)
+    if path == "/tokenize":
+        assert answer["count"] == len(answer["tokens"]) and all(0 <= t < VOCAB for t in answer["tokens"])
+    else:
+        assert isinstance(answer["prompt"], str)
+    field = data.draw(st.sampled_from(TOKENIZE_FIELDS[path]) | safe_text | surrogate)
+    body[field] = data.draw(hostile)
+    status, headers, payload = client.send("POST", path, encode(body), "application/json")
+    if status == 400 and field in TOKENIZE_RELATED and strict(payload)["error"]["param"] in TOKENIZE_RELATED[field]:
+        return
+    if status != 200:
+        check_response(status, headers, payload, field)
+
+
+@FUZZ
 @given(raw=st.one_of(
     st.binary(max_size=64),
     st.integers(1, 60_000).map(lambda d: b"[" * d + b"]" * d),
@@ -219,9 +254,12 @@ def test_one_hostile_field_is_a_400_naming_it(client, data, chat_endpoint):
     hostile.map(encode),
 ), content_type=st.sampled_from(["application/json", "application/json; charset=utf-8", "text/plain",
                                  "application/x-www-form-urlencoded", "multipart/form-data; boundary=b", None]),
-   path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+   path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]))
 def test_raw_bodies_and_content_types(client, raw, content_type, path):
     status, headers, payload = client.send("POST", path, raw, content_type)
+    if status == 200 and path in tokenize_bodies:  # a random object may be a valid body: {"prompt": "x"}
+        strict(payload)
+        return
     check_response(status, headers, payload)
     if content_type is None or not content_type.startswith("application/json"):
         assert status == 415
