@@ -148,6 +148,17 @@ def test_a_request_with_the_default_sampling_uses_the_engines_config_as_it_is():
     assert stopped.stop == ["x"] and "generation_config" not in stopped.engine_kwargs
     assert "tokenizer" not in stopped.engine_kwargs
     assert handlers.generation_config.do_sample is False and handlers.generation_config.stop_strings is None
+    neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_tokens": 0,
+               "logit_bias": {}}
+    assert "generation_config" not in job(neutral).engine_kwargs  # neutral values: the engine's config as it is
+    options = {"presence_penalty": 0.5, "frequency_penalty": -1.0, "repetition_penalty": 1.2, "min_tokens": 3,
+               "logit_bias": {"7": -100}}
+    config = job(options).engine_kwargs["generation_config"]
+    assert (config.presence_penalty, config.frequency_penalty, config.repetition_penalty) == (0.5, -1.0, 1.2)
+    assert config.min_new_tokens == 3 and config.logit_bias == {7: -100}
+    assert job(options).min_tokens == 3
+    with pytest.raises(APIError, match="ignore_eos"):  # an engine without the keyword: refused by name
+        job({"ignore_eos": True})
 
 
 # ------------------------------------------------------------------------------- hardening: stop matcher
