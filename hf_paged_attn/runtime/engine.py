@@ -102,6 +102,7 @@ class ContinuousBatchingEngine(BatchAPI):
         structured: object | None = None,
         lockstep: Lockstep | None = None,
         prompt_logprobs: int | None = None,
+        ignore_eos: bool = False,
     ) -> str:
         """Queue one prompt; returns its request id. Bad input raises ValueError and queues nothing.
 
@@ -117,6 +118,9 @@ class ContinuousBatchingEngine(BatchAPI):
         ``prompt_logprobs=k``: score every prompt token under the model's raw distribution given the
         tokens before it, with its ``k`` best alternatives (``RequestOutput.prompt_logprobs``, entry 0
         None); the request is then computed whole, never served from the prefix cache.
+        ``ignore_eos``: EOS does not end the request (vLLM's ``ignore_eos``; a benchmark's fixed output
+        length): an EOS token is kept like any other, and only ``max_new_tokens`` and the stop criteria
+        end it; processors still see the EOS (``min_new_tokens``). Not with ``structured``.
         """
         text_config = self.model.config.get_text_config()
         prompt = validate_prompt(input_ids, text_config.vocab_size, self.max_position_embeddings)
@@ -130,7 +134,7 @@ class ContinuousBatchingEngine(BatchAPI):
         sampling = make_sampling_params(
             self.model, config, len(prompt), logits_processor,
             stopping_criteria=stopping_criteria, tokenizer=tokenizer, seed=seed, logprobs=logprobs,
-            max_new_tokens=max_new_tokens, prefix=padding, lockstep=lockstep,
+            max_new_tokens=max_new_tokens, prefix=padding, lockstep=lockstep, ignore_eos=ignore_eos,
         )  # fmt: skip
         request = Request("", prompt, max_new_tokens, sampling, arrival=0, priority=priority)
         if prompt_logprobs is not None:
@@ -140,6 +144,8 @@ class ContinuousBatchingEngine(BatchAPI):
                 raise NotImplementedError("prompt_logprobs with beam search or a model.generate batch is not supported")
             request.num_prompt_logprobs, request.prompt_logprobs = prompt_logprobs, [None]
         if structured is not None:
+            if ignore_eos:  # the grammar's end is its EOS
+                raise ValueError("ignore_eos cannot be combined with structured outputs: a complete output ends at EOS")
             request.matcher = self._matcher(structured, tokenizer, sampling.eos_token_ids, config.num_beams or 1)
         if (num_beams := config.num_beams or 1) > 1:
             request.group = BeamGroup(request, num_beams, int(config.num_return_sequences or 1))

@@ -154,6 +154,7 @@ def make_sampling_params(
     max_new_tokens: int | None = None,
     prefix: list[int] | None = None,
     lockstep: Any = None,
+    ignore_eos: bool = False,
 ) -> SamplingParams:
     """Resolve ``config`` as ``generate`` does and build its processors and criteria for one request.
 
@@ -161,6 +162,9 @@ def make_sampling_params(
     criteria see it, as they see the padded row in transformers (``min_length``, ``max_length``,
     ``forced_eos_token_id``, n-gram and repetition processors count it). ``lockstep``: the
     ``lockstep.Lockstep`` batch the request is a row of (its processors and criteria run there).
+    ``ignore_eos``: EOS does not stop the request (vLLM's ``ignore_eos``): its ``eos_token_ids``, the
+    set every stop check reads, is empty, while the processors still see the config's EOS
+    (``min_new_tokens`` suppresses it, ``forced_eos_token_id`` forces it).
     """
     config = copy.copy(config)  # its attributes are replaced below, never changed in place
     check_supported(config)
@@ -172,12 +176,14 @@ def make_sampling_params(
         raise ValueError(f"logprobs must be None or an int >= 0, got {logprobs!r}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ValueError(f"seed must be None or an int, got {seed!r}")
+    if not isinstance(ignore_eos, bool):
+        raise ValueError(f"ignore_eos must be a bool, got {ignore_eos!r}")
     device = input_device(model)  # where logits arrive; model.device is "meta" when accelerate offloads
     hf.prepare_special_tokens(model, config, True, device)
     model_kwargs = {"attention_mask": padding_mask(len(prefix), prompt_length, config)} if prefix else {}
     processors = hf.logits_processors(model, config, prompt_length, extra_processors, device, model_kwargs)
     eos = hf.eos_token_tensor(config)
-    eos_ids = frozenset(eos.flatten().tolist()) if eos is not None else frozenset()
+    eos_ids = frozenset(eos.flatten().tolist()) if eos is not None and not ignore_eos else frozenset()
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     params = SamplingParams(
         generation_config=config,

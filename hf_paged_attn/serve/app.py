@@ -28,6 +28,7 @@ from .errors import APIError, error_response
 from .handlers import Handlers, ServeSettings
 from .metrics import CONTENT_TYPE, ServeMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest
+from .tokenization import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 
 logger = logging.getLogger("hf_paged_attn.serve")
 STOP_TIMEOUT_S = 10.0  # for the engine thread to carry out the last aborts at shutdown
@@ -125,11 +126,37 @@ def build_app(engine: Any, tokenizer: Any, settings: ServeSettings) -> FastAPI:
         check_key(request)
         return await handlers.chat(request)
 
+    @app.post("/tokenize")
+    @guarded
+    async def tokenize(request: Request) -> Any:
+        check_key(request)
+        return await handlers.tokenize(request)
+
+    @app.post("/detokenize")
+    @guarded
+    async def detokenize(request: Request) -> Any:
+        check_key(request)
+        return await handlers.detokenize(request)
+
     app.openapi = functools.partial(openapi_schema, app)  # type: ignore[method-assign]
     return app
 
 
-REQUEST_MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+COMPLETION_ANSWER = {"description": "the completion (JSON), or server-sent events ending with data: [DONE] when "
+                     "stream is true", "content": {"application/json": {"schema": {"type": "object"}},
+                                                   "text/event-stream": {"schema": {"type": "string"}}}}
+# Each POST route: the models its body may be (one of), and its answer.
+REQUEST_MODELS: dict[str, tuple[tuple[type, ...], dict[str, Any]]] = {
+    "/v1/completions": ((CompletionRequest,), COMPLETION_ANSWER),
+    "/v1/chat/completions": ((ChatCompletionRequest,), COMPLETION_ANSWER),
+    "/tokenize": ((TokenizeCompletionRequest, TokenizeChatRequest), {
+        "description": '{"count", "max_model_len", "tokens", "token_strs"}: the prompt\'s token ids (a chat\'s: '
+                       'those /v1/chat/completions would run)', "content": {"application/json": {"schema": {
+                           "type": "object"}}}}),
+    "/detokenize": ((DetokenizeRequest,), {
+        "description": '{"prompt"}: the ids decoded, special tokens kept',
+        "content": {"application/json": {"schema": {"type": "object"}}}}),
+}
 ERROR_STATUSES = {
     "400": "invalid request (the message names the problem, param the field)", "401": "missing or wrong API key",
     "408": "the body did not arrive in time", "413": "the body is larger than --max-body-bytes",
@@ -156,18 +183,18 @@ def openapi_schema(app: FastAPI) -> dict[str, Any]:
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     components["ErrorResponse"] = ERROR_SCHEMA
     error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
-    for path, model in REQUEST_MODELS.items():
-        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
-        components.update(body.pop("$defs", {}))
-        components[model.__name__] = body
+    for path, (models, answer) in REQUEST_MODELS.items():
+        refs = []
+        for model in models:
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            components[model.__name__] = body
+            refs.append({"$ref": f"#/components/schemas/{model.__name__}"})
         operation = schema["paths"][path]["post"]
         operation["requestBody"] = {"required": True, "content": {
-            "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+            "application/json": {"schema": refs[0] if len(refs) == 1 else {"oneOf": refs}}}}
         operation["responses"] = {
-            "200": {"description": "the completion (JSON), or server-sent events ending with data: [DONE] "
-                    "when stream is true", "content": {"application/json": {"schema": {"type": "object"}},
-                                                      "text/event-stream": {"schema": {"type": "string"}}}},
-            **{status: {"description": text, **error} for status, text in ERROR_STATUSES.items()},
+            "200": answer, **{status: {"description": text, **error} for status, text in ERROR_STATUSES.items()},
         }
     app.openapi_schema = schema
     return schema

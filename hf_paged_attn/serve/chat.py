@@ -36,10 +36,10 @@ def control_strings(tokenizer: Any) -> list[str]:
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], template: str,
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+                    tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True) -> list[int]:
     """The prompt ids of ``messages`` (``{"role", "content", ...}``) and ``tools`` through ``template``,
-    with a generation prompt."""
-    text = render(tokenizer, messages, template, tools)
+    with a generation prompt unless ``add_generation_prompt`` is false."""
+    text = render(tokenizer, messages, template, tools, add_generation_prompt)
     controls = control_strings(tokenizer)
     strings = list(_strings([messages, tools]))
     if not any(c in t for t in strings for c in controls):
@@ -47,7 +47,7 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], template: st
     used = set().union(*strings)
     mark = next(m for m in MARKERS if m not in used and m not in template)
     broken = _map_strings([messages, tools], lambda t: _break(t, controls, mark))
-    marked = render(tokenizer, broken[0], template, broken[1])
+    marked = render(tokenizer, broken[0], template, broken[1], add_generation_prompt)
     if marked.replace(mark, "") != text:  # the template transformed the content beyond trimming its ends
         raise APIError(400, "a message contains the text of a control token, which this chat template does not "
                        "keep as plain text; remove it", "messages", "invalid_messages")
@@ -62,10 +62,10 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], template: st
 
 
 def render(tokenizer: Any, messages: list[dict[str, Any]], template: str,
-           tools: list[dict[str, Any]] | None = None) -> str:
+           tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True) -> str:
     try:
         return tokenizer.apply_chat_template(messages, tools=tools, chat_template=template,
-                                             add_generation_prompt=True, tokenize=False)
+                                             add_generation_prompt=add_generation_prompt, tokenize=False)
     except Exception as exc:  # a template may raise on messages it does not accept (jinja's raise_exception)
         raise APIError(400, f"the chat template refused the messages: {exc}", "messages", "invalid_messages") from None
 

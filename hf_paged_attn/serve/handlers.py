@@ -37,6 +37,13 @@ from .errors import APIError, dumps, json_response, short
 from .jobs import ChoiceEvent, Job, JobRun, TokenInfo
 from .limits import CHARS_PER_TOKEN, DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, TOKENIZER_THREADS, RequestLimits
 from .protocol import ChatCompletionRequest, CompletionRequest, parse
+from .tokenization import (
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    parse_tokenize,
+    special_tokens_around,
+    tokenize_answer,
+)
 from .tool_parser import FORMATS, ToolCallFormat, ToolCallStream, detect_format, parse_tool_calls
 from .tools import NamedToolChoice, forced_grammar, template_tools
 
@@ -94,6 +101,7 @@ class Handlers:
         added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
         self.marker_ids = {m: added[m] for m in (self.tool_format.start, self.tool_format.end) if m and m in added}
         tokenizer("warm up", add_special_tokens=False)  # its first call may set state; later calls only read it
+        self.special_tokens = special_tokens_around(tokenizer)  # what /tokenize's add_special_tokens adds to a chat
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="hf-paged-tokenize")
         # Grammars compile here once the engine has its grammar compiler: the first constrained request
         # builds it from the tokenizer (~1 s for a large vocabulary), so that one runs in the tokenizer's
@@ -121,8 +129,7 @@ class Handlers:
         run = await self._start(job)
         meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.settings.model_name}
         if req.stream:
-            usage = req.stream_options is not None and req.stream_options.include_usage
-            return _sse(_completion_chunks(run, meta, echo, usage))
+            return _sse(_completion_chunks(run, meta, echo, StreamUsage.of(req)))
         events = await _collect(run, request)
         choices = []
         for choice in job.choices:
@@ -146,8 +153,7 @@ class Handlers:
         tools = self.tool_format if req.parses_tool_calls() else None
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.settings.model_name}
         if req.stream:
-            usage = req.stream_options is not None and req.stream_options.include_usage
-            return _sse(_chat_chunks(run, meta, usage, tools))
+            return _sse(_chat_chunks(run, meta, StreamUsage.of(req), tools))
         events = await _collect(run, request)
         choices = []
         for choice in job.choices:
@@ -162,6 +168,12 @@ class Handlers:
                     finish = "tool_calls" if finish == "stop" else finish
             choices.append({"index": choice.index, "logprobs": logprobs, "finish_reason": finish, "message": message})
         return json_response({**meta, "object": "chat.completion", "choices": choices, "usage": _usage(job)})
+
+    async def tokenize(self, request: Request) -> Any:
+        return json_response(await self._off_loop(self._tokenize, await self._body(request)))
+
+    async def detokenize(self, request: Request) -> Any:
+        return json_response(await self._off_loop(self._detokenize, await self._body(request)))
 
     def models(self) -> dict[str, Any]:
         card = {"id": self.settings.model_name, "object": "model", "created": 0, "owned_by": "hf-paged-attn"}
@@ -178,6 +190,25 @@ class Handlers:
         req: ChatCompletionRequest = parse(ChatCompletionRequest, parse_json(data), self.limits)
         self._check_model(req.model)
         return req, self._chat_prompt(req), self._chat_structure(req)
+
+    def _tokenize(self, data: bytes) -> dict[str, Any]:
+        req = parse_tokenize(parse_json(data), self.limits)
+        if req.model is not None:
+            self._check_model(req.model)
+        if isinstance(req, TokenizeChatRequest):
+            ids = self._chat_prompt(req, req.add_generation_prompt)  # what /v1/chat/completions would run
+            if req.add_special_tokens:
+                prefix, suffix = self.special_tokens
+                ids = prefix + ids + suffix
+        else:
+            ids = self.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
+        return tokenize_answer(self.tokenizer, ids, self.context_length, req.return_token_strs)
+
+    def _detokenize(self, data: bytes) -> dict[str, Any]:
+        req: DetokenizeRequest = parse(DetokenizeRequest, parse_json(data), self.limits)
+        if req.model is not None:
+            self._check_model(req.model)
+        return {"prompt": self.tokenizer.decode(req.tokens)}  # special tokens kept, as vLLM answers
 
     def _chat_structure(self, req: ChatCompletionRequest) -> Structure:
         """(the engine's spec, the field it comes from): a forced tool call's grammar, or the request's own."""
@@ -207,14 +238,17 @@ class Handlers:
                 texts.append(self.tokenizer.decode(p, skip_special_tokens=True))
         return ids, texts
 
-    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+    def _chat_prompt(
+        self, req: ChatCompletionRequest | TokenizeChatRequest, generation_prompt: bool = True
+    ) -> list[int]:
         template = self.settings.chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise APIError(400, "this model has no chat template; start the server with --chat-template FILE",
                            "messages", "no_chat_template")
         messages = [m.for_template() for m in req.messages]
         tools = template_tools(req.tools) if req.tools else None
-        return chat_prompt_ids(self.tokenizer, messages, template, tools)  # control-token text in a message stays text
+        # control-token text in a message stays text
+        return chat_prompt_ids(self.tokenizer, messages, template, tools, generation_prompt)
 
     def _job(self, req: Any, prompts: list[list[int]], limits: list[int], top_logprobs: int | None,
              prompt_param: str = "prompt", structure: Structure = (None, None)) -> Job:
@@ -225,6 +259,9 @@ class Handlers:
                     f"for {len(prompt) + limit} ({len(prompt)} in the prompt, {limit} to generate)",
                     prompt_param if len(prompt) >= self.context_length else "max_tokens", "context_length_exceeded",
                 )
+            if (req.min_tokens or 0) > limit:
+                raise APIError(400, f"min_tokens={req.min_tokens} is more than max_tokens={limit}", "min_tokens",
+                               "invalid_value")
         kwargs: dict[str, Any] = {}
         changes = self._sampling_changes(req)
         if changes:
@@ -233,7 +270,7 @@ class Handlers:
         # defaults, cost ~0.2 ms of the event loop per request, which a burst of arrivals waits on.
         # Stop sequences are ours alone (text.IncrementalText, stops.StopMatcher): the engine's
         # stop_strings would build transformers' vocabulary x length table per distinct string.
-        for name, value in (("logprobs", top_logprobs), ("seed", req.seed)):
+        for name, value in (("logprobs", top_logprobs), ("seed", req.seed), ("ignore_eos", req.ignore_eos or None)):
             if value is None:
                 continue
             if name not in self.engine_options:
@@ -241,6 +278,9 @@ class Handlers:
                                "unsupported_parameter")
             kwargs[name] = value
         spec, param = structure
+        if spec is not None and req.ignore_eos:
+            raise APIError(400, f"ignore_eos cannot be combined with {param}: a constrained output ends where its "
+                           "grammar does, at EOS", "ignore_eos", "invalid_value")
         if spec is not None:
             if not self.structured_ok:
                 raise APIError(400, f"{param}: structured outputs are not available on this server (they need the "
@@ -248,7 +288,7 @@ class Handlers:
                                "unsupported_parameter")
             kwargs.update(structured=spec, tokenizer=self.tokenizer)
         return Job(prompts, req.n, limits, req.stop_list(), kwargs, want_logprobs=top_logprobs is not None,
-                   structured_param=param)
+                   structured_param=param, min_tokens=req.min_tokens or 0)
 
     def _sampling_changes(self, req: Any) -> dict[str, Any]:
         """The generation-config fields the request sets to something other than the engine's."""
@@ -259,9 +299,15 @@ class Handlers:
                 wanted["temperature"] = req.temperature
         if req.top_p is not None:
             wanted["top_p"] = req.top_p
+        if req.min_tokens is not None:  # transformers' MinNewTokensLengthLogitsProcessor suppresses EOS
+            wanted["min_new_tokens"] = req.min_tokens or None
+        if req.logit_bias:  # logit_bias and OpenAI's penalties: read by the engine's processor plan (openai_options)
+            wanted["logit_bias"] = req.token_bias()
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if getattr(req, name) is not None:
+                wanted[name] = getattr(req, name)
         base = self.generation_config
-        return {k: v for k, v in wanted.items() if getattr(base, k, None) != v and not (
-            k == "num_return_sequences" and getattr(base, k, None) is None)}
+        return {k: v for k, v in wanted.items() if _setting(base, k) != v}
 
     def _generation_config(self, changes: dict[str, Any]) -> GenerationConfig:
         config = copy.deepcopy(self.generation_config)
@@ -289,6 +335,15 @@ class Handlers:
             raise
         self._grammars_ready = True
         return run
+
+
+# What an unset (None) generation-config field means, where it is a value a request can name.
+NEUTRAL = {"num_return_sequences": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+
+
+def _setting(config: GenerationConfig, name: str) -> Any:
+    value = getattr(config, name, None)
+    return NEUTRAL.get(name) if value is None else value
 
 
 # --------------------------------------------------------------------------------- responses
@@ -320,6 +375,26 @@ async def _disconnected(request: Request) -> None:
 def _usage(job: Job) -> dict[str, int]:
     prompt, completion = job.num_prompt_tokens, job.num_completion_tokens
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+@dataclass(frozen=True, slots=True)
+class StreamUsage:
+    """What a stream says of its usage (``stream_options``): ``final``, a last chunk with the usage and no
+    choices; ``continuous``, the usage so far (all of the request's choices) on every chunk."""
+
+    final: bool = False
+    continuous: bool = False
+
+    @staticmethod
+    def of(req: Any) -> StreamUsage:
+        options = req.stream_options
+        return StreamUsage(options.include_usage, options.continuous_usage_stats) if options else StreamUsage()
+
+    def chunk(self, job: Job) -> dict[str, Any]:
+        """The usage field of a chunk with choices: the usage so far, null (OpenAI's), or none at all."""
+        if self.continuous:
+            return {"usage": _usage(job)}
+        return {"usage": None} if self.final else {}
 
 
 def _completion_logprobs(entries: list[TokenInfo], shift: int) -> dict[str, Any]:
@@ -355,14 +430,13 @@ def _sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
 
 
 async def _completion_chunks(
-    run: JobRun, meta: dict[str, Any], echo: list[str], usage: bool
+    run: JobRun, meta: dict[str, Any], echo: list[str], usage: StreamUsage
 ) -> AsyncIterator[dict[str, Any]]:
     base = {**meta, "object": "text_completion"}
-    extra = {"usage": None} if usage else {}
     for choice in run.job.choices:
         if echo[choice.prompt_index]:
             yield {**base, "choices": [{"index": choice.index, "text": echo[choice.prompt_index], "logprobs": None,
-                                        "finish_reason": None}], **extra}
+                                        "finish_reason": None}], **usage.chunk(run.job)}
     async for event in run.events():
         if not (event.text or event.logprobs or event.finish_reason):
             continue
@@ -370,22 +444,21 @@ async def _completion_chunks(
         logprobs = _completion_logprobs(event.logprobs, shift) if run.job.want_logprobs else None
         choice = {"index": event.choice.index, "text": event.text, "logprobs": logprobs,
                   "finish_reason": event.finish_reason}
-        yield {**base, "choices": [choice], **extra}
-    if usage:
+        yield {**base, "choices": [choice], **usage.chunk(run.job)}
+    if usage.final:
         yield {**base, "choices": [], "usage": _usage(run.job)}
 
 
 async def _chat_chunks(
-    run: JobRun, meta: dict[str, Any], usage: bool, tools: ToolCallFormat | None = None
+    run: JobRun, meta: dict[str, Any], usage: StreamUsage, tools: ToolCallFormat | None = None
 ) -> AsyncIterator[dict[str, Any]]:
     """The chunks of a streamed chat; with ``tools``, tool calls as OpenAI streams them."""
     base = {**meta, "object": "chat.completion.chunk"}
-    extra = {"usage": None} if usage else {}
     parsers = {choice.index: ToolCallStream(tools) for choice in run.job.choices} if tools is not None else {}
     for choice in run.job.choices:
         first = {"index": choice.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                  "finish_reason": None}
-        yield {**base, "choices": [first], **extra}
+        yield {**base, "choices": [first], **usage.chunk(run.job)}
     async for event in run.events():
         if not (event.text or event.logprobs or event.finish_reason):
             continue
@@ -404,7 +477,7 @@ async def _chat_chunks(
         for i, delta in enumerate(deltas):
             choice = {"index": event.choice.index, "delta": delta, "logprobs": logprobs if i == 0 else None,
                       "finish_reason": finish if i == len(deltas) - 1 else None}
-            yield {**base, "choices": [choice], **extra}
-    if usage:
+            yield {**base, "choices": [choice], **usage.chunk(run.job)}
+    if usage.final:
         yield {**base, "choices": [], "usage": _usage(run.job)}
 

@@ -78,6 +78,7 @@ class Job:
     engine_kwargs: dict[str, Any]
     want_logprobs: bool = False
     structured_param: str | None = None
+    min_tokens: int = 0  # no stop sequence ends in the text of the first min_tokens tokens (vLLM's)
     choices: list[Choice] = field(default_factory=list)
 
     @property
@@ -106,7 +107,7 @@ class JobRun:
         try:
             for p, prompt in enumerate(job.prompts):
                 for j in range(job.n):
-                    choice = Choice(len(job.choices), p, IncrementalText(self.decode, job.stop))
+                    choice = Choice(len(job.choices), p, IncrementalText(self.decode, job.stop, job.min_tokens))
                     kwargs = dict(job.engine_kwargs)
                     if kwargs.get("seed") is not None:
                         kwargs["seed"] += j

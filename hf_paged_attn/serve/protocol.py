@@ -3,7 +3,8 @@ engine call, and documented by the same models in ``/openapi.json``.
 
 Every field OpenAI defines that we cannot honour is refused by name (HTTP 400), never ignored:
 unknown fields are rejected by ``extra="forbid"``, and the few we recognise but only accept at
-their neutral value (penalties, ``best_of``) are checked in ``unsupported_options``.
+their neutral value (``best_of``, ``suffix``, ``store``, ``echo`` with ``logprobs``) are checked in
+``unsupported_options``.
 
 Every value is bounded: integers by range, floats finite, strings valid Unicode (no lone surrogates,
 which the tokenizer cannot take) and of bounded length, lists and maps of bounded size. The bounds
@@ -115,10 +116,30 @@ StopSequences = (
 )
 
 
+def _token_keys(value: dict[str, float]) -> dict[str, float]:
+    """``logit_bias``' keys are token ids written as JSON strings: decimal digits, no sign, no leading zero."""
+    for key in value:
+        if not (key.isascii() and key.isdigit() and str(int(key)) == key and int(key) <= MAX_TOKEN_ID):
+            raise PydanticCustomError("token_id", "logit_bias keys must be token ids written as decimal strings "
+                                      "(like \"50256\"), got {key}", {"key": short(key)})
+    return value
+
+
+MAX_LOGIT_BIAS = 300  # entries: OpenAI's bound
+LogitBias = Annotated[
+    dict[_text(64), Annotated[float, Field(ge=-100.0, le=100.0, **_FLOAT)]],
+    AfterValidator(_max_items(MAX_LOGIT_BIAS)), AfterValidator(_token_keys),
+]
+
+
 # ------------------------------------------------------------------------------------ the models
 class StreamOptions(BaseModel):
+    """``include_usage``: a last chunk with the request's ``usage`` (OpenAI's). ``continuous_usage_stats``
+    (vLLM's): every chunk carries the usage so far (vLLM also wants ``include_usage`` for it)."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _Sampling(StructuredFields):
@@ -137,30 +158,39 @@ class _Sampling(StructuredFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: _text(MAX_NAME_CHARS) | None = None
-    # Accepted only at their neutral value (checked in unsupported_options).
+    # vLLM's: EOS does not end the output (a benchmark's fixed output length); max_tokens and stop still do.
+    ignore_eos: bool = False
+    # vLLM's: EOS is suppressed, and stop sequences may not end, within the first min_tokens tokens.
+    min_tokens: int | None = Field(default=None, ge=0, le=MAX_TOKENS)
+    logit_bias: LogitBias | None = Field(default=None, description=(
+        "{token id (a decimal string): bias in [-100, 100]} added to the logits; ids below the vocabulary size"))
+    # OpenAI's penalties over the generated tokens; vLLM's repetition_penalty (transformers'): over prompt and output.
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, **_FLOAT)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, **_FLOAT)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, **_FLOAT)
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def unsupported_options(self) -> list[str]:
-        bad = [name for name in ("presence_penalty", "frequency_penalty") if getattr(self, name) not in (None, 0, 0.0)]
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
-        return bad
+        return []
 
     def check_fields(self) -> None:
         """Checks across fields (APIError 400 naming one)."""
         self.structured()
 
+    def token_bias(self) -> dict[int, float] | None:
+        """``logit_bias`` as the engine takes it (``GenerationConfig.logit_bias``), or None."""
+        return {int(key): bias for key, bias in self.logit_bias.items()} if self.logit_bias else None
+
     def check(self, limits: RequestLimits) -> None:
         """The bounds that depend on the model and the server (APIError 400 naming the field)."""
-
-
-LogitBias = Annotated[
-    dict[_text(64), Annotated[float, Field(ge=-100.0, le=100.0, **_FLOAT)]], AfterValidator(_max_items(300))
-]
+        bad = [key for key in self.logit_bias or {} if int(key) >= limits.vocab_size]
+        if bad:
+            raise APIError(400, f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {limits.vocab_size})",
+                           "logit_bias", "invalid_token_id")
 
 
 class CompletionRequest(_Sampling):
@@ -170,13 +200,13 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
     suffix: _text(MAX_NAME_CHARS) | None = None
-    logit_bias: LogitBias | None = None
 
     def unsupported_options(self) -> list[str]:
         bad = super().unsupported_options()
         if self.best_of not in (None, self.n):
             bad.append("best_of")
-        bad += [name for name in ("suffix", "logit_bias") if getattr(self, name)]
+        if self.suffix:
+            bad.append("suffix")
         if self.echo and self.logprobs is not None:
             bad.append("echo with logprobs (log-probabilities of prompt tokens)")
         return bad
@@ -187,6 +217,7 @@ class CompletionRequest(_Sampling):
         return [p] if isinstance(p, str) or (p and type(p[0]) is int) else p
 
     def check(self, limits: RequestLimits) -> None:
+        super().check(limits)
         prompts = self.prompts()
         if len(prompts) * self.n > limits.max_choices:
             param, total = "prompt" if len(prompts) > 1 else "n", len(prompts) * self.n
@@ -260,7 +291,6 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    logit_bias: LogitBias | None = None
     tools: Tools | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None  # None: OpenAI's default, true
@@ -270,8 +300,6 @@ class ChatCompletionRequest(_Sampling):
 
     def unsupported_options(self) -> list[str]:
         bad = super().unsupported_options()
-        if self.logit_bias:
-            bad.append("logit_bias")
         if self.store:
             bad.append("store")
         if self.top_logprobs is not None and not self.logprobs:
@@ -303,6 +331,7 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens or self.max_tokens
 
     def check(self, limits: RequestLimits) -> None:
+        super().check(limits)
         if self.n > limits.max_choices:
             raise APIError(400, f"n={self.n} is more generations than this server runs at once "
                            f"({limits.max_choices}, --max-queue)", "n", "too_many_choices")
@@ -315,9 +344,10 @@ class ChatCompletionRequest(_Sampling):
 
 
 # ------------------------------------------------------------------------------------ parsing
-def parse(model: type[_Sampling], body: Any, limits: RequestLimits | None = None) -> Any:
-    """``body`` (parsed JSON) as ``model``; APIError 400 naming the first bad field otherwise.
-    With ``limits``, the model- and server-dependent bounds are checked too."""
+def parse(model: type[BaseModel], body: Any, limits: RequestLimits | None = None) -> Any:
+    """``body`` (parsed JSON) as ``model`` (a request model: ``unsupported_options``, ``check_fields``,
+    ``check``); APIError 400 naming the first bad field otherwise. With ``limits``, the model- and
+    server-dependent bounds are checked too."""
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     for key in body:  # pydantic cannot name a field whose name it cannot read

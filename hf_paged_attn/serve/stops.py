@@ -38,6 +38,8 @@ class StopMatcher:
     ``feed(text)`` returns the start index (in everything fed so far) of the first stop sequence to
     be completed, or None; of several completed by the same character, the longest (earliest start)
     wins. The result does not depend on how the text is split into pieces. Feed nothing after a hit.
+    ``feed(text, find=False)`` reads text in which no stop sequence may *end* (vLLM's ``min_tokens``:
+    the text of the first tokens): its hits are passed over, but one that ends later may begin there.
     """
 
     def __init__(self, stops: list[str]) -> None:
@@ -52,7 +54,7 @@ class StopMatcher:
         """Characters at the end of the text fed that could still become a stop sequence."""
         return max(self._states, default=0)
 
-    def feed(self, text: str) -> int | None:
+    def feed(self, text: str, find: bool = True) -> int | None:
         if not self.stops:
             self.num_fed += len(text)
             return None
@@ -70,7 +72,7 @@ class StopMatcher:
                     hit = start if hit is None else min(hit, start)
                     q = tables[k][q - 1]
                 states[k] = q
-            if hit is not None:
+            if hit is not None and find:
                 self.num_fed += offset + 1
                 return hit
         self.num_fed += len(text)

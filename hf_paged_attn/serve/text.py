@@ -2,7 +2,9 @@
 
 OpenAI semantics, which differ from transformers' ``stop_strings``: the text ends *before* the first
 stop sequence, which is not returned. While streaming, text that could still become a stop
-sequence (or an incomplete UTF-8 character) is held back until the next tokens decide it.
+sequence (or an incomplete UTF-8 character) is held back until the next tokens decide it. With
+``min_tokens`` (vLLM's), no stop sequence may end in the text of the first ``min_tokens`` tokens, as
+in vLLM (one may begin there and end later).
 """
 
 from __future__ import annotations
@@ -43,9 +45,11 @@ class IncrementalText:
     tokens decide it (or the last output, which sends everything).
     """
 
-    def __init__(self, decode: Callable[[list[int]], str], stop: list[str]) -> None:
+    def __init__(self, decode: Callable[[list[int]], str], stop: list[str], min_tokens: int = 0) -> None:
         self.decode = decode
         self.stop = stop
+        self.min_tokens = min_tokens
+        self._num_quiet: int | None = None if stop and min_tokens else 0  # see _quiet
         self.ids: list[int] = []
         self.text = ""  # everything decided so far (sent or ready to send)
         self.num_sent = 0
@@ -60,6 +64,10 @@ class IncrementalText:
         full = self.decode(self.ids)
         decided = len(full) if final else len(full.rstrip(REPLACEMENT))
         fed = self._matcher.num_fed
+        quiet = min(self._quiet(full), decided)
+        if quiet > fed:  # no stop sequence may end here
+            self._matcher.feed(full[fed:quiet], find=False)
+            fed = quiet
         cut = self._matcher.feed(full[fed:decided]) if decided > fed else None
         if cut is not None:
             full, self.stopped = full[:cut], True
@@ -69,3 +77,14 @@ class IncrementalText:
         delta = full[self.num_sent :]
         self.num_sent = max(self.num_sent, len(full))
         return delta
+
+    def _quiet(self, full: str) -> int:
+        """Characters of ``full`` (the text of every id so far) in which no stop sequence may end:
+        those of the first ``min_tokens`` tokens (all of it until there are that many)."""
+        if self._num_quiet is not None:
+            return self._num_quiet
+        if len(self.ids) < self.min_tokens:
+            return len(full)
+        # A character the min_tokens-th token leaves incomplete belongs to the next one.
+        self._num_quiet = len(self.decode(self.ids[: self.min_tokens]).rstrip(REPLACEMENT))
+        return self._num_quiet

@@ -22,17 +22,14 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from hf_paged_attn.demo import DEMO_MODEL, PROMPTS  # noqa: E402
-from hf_paged_attn_tools.launch import ServerProcess  # noqa: E402
 
 NAME = "demo"
 TIMEOUT = 60.0  # per HTTP call: a loaded CI machine is slow, a hang must still fail
 
 
 @pytest.fixture(scope="module")
-def server():
-    args = ["--served-model-name", NAME, "--num-blocks", "512", "--max-num-seqs", "64"]
-    with ServerProcess(DEMO_MODEL, args, env={"OMP_NUM_THREADS": "1"}) as proc:
-        yield proc
+def server(demo_server):  # conftest.py: one server for the session (NAME is its served name)
+    return demo_server
 
 
 @pytest.fixture(scope="module")
@@ -268,10 +265,12 @@ BAD = [
     ("completions", {**GOOD, "temperature": "hot"}, "temperature"),
     ("completions", {**GOOD, "temperature": 3}, "temperature"),
     ("completions", {**GOOD, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ("completions", {**GOOD, "presence_penalty": 0.5}, "presence_penalty"),
-    ("completions", {**GOOD, "frequency_penalty": 1}, "frequency_penalty"),
+    ("completions", {**GOOD, "presence_penalty": 2.5}, "presence_penalty"),
+    ("completions", {**GOOD, "frequency_penalty": -3}, "frequency_penalty"),
+    ("chat/completions", {**CHAT, "repetition_penalty": 0}, "repetition_penalty"),
     ("completions", {**GOOD, "best_of": 3}, "best_of"),
-    ("completions", {**GOOD, "logit_bias": {"5": 1}}, "logit_bias"),
+    ("completions", {**GOOD, "logit_bias": {"5000": 1}}, "logit_bias"),  # outside the vocabulary
+    ("chat/completions", {**CHAT, "logit_bias": {"x": 1}}, "logit_bias"),
     ("completions", {**GOOD, "no_such_option": 1}, "no_such_option"),
     ("completions", {**GOOD, "stream_options": {"include_usage": True}}, "stream_options"),
     ("completions", {"prompt": "x"}, "model"),
@@ -302,7 +301,7 @@ def test_unknown_route_and_client_errors(server, client):
     status, payload = raw(server, "GET", "/v1/nothing")
     assert status == 404 and payload["error"]["message"]
     with pytest.raises(openai.BadRequestError, match="presence_penalty"):
-        client.completions.create(model=NAME, prompt="x", max_tokens=2, presence_penalty=1.0)
+        client.completions.create(model=NAME, prompt="x", max_tokens=2, presence_penalty=3.0)
 
 
 def test_bad_requests_do_not_harm_a_running_one(server, reference):

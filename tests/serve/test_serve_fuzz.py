@@ -41,7 +41,11 @@ FUZZ = settings(
 )
 # A bad value of one field may be reported on a field it depends on (or that depends on it).
 RELATED = {"prompt": {"max_tokens"}, "messages": {"max_tokens"}, "logprobs": {"top_logprobs"},
-           "stream": {"stream_options"}, "max_completion_tokens": {"max_tokens"}, "n": {"best_of"}}
+           "stream": {"stream_options"}, "max_completion_tokens": {"max_tokens", "min_tokens"}, "n": {"best_of"},
+           "max_tokens": {"min_tokens"}}
+# A constrained output (a structured-output field, a forced tool call) refuses the body's ignore_eos.
+RELATED.update({name: {"ignore_eos"} for name in ("response_format", "structured_outputs", "guided_json",
+                                                  "guided_regex", "guided_choice", "guided_grammar", "tool_choice")})
 
 
 @pytest.fixture(scope="module")
@@ -89,13 +93,29 @@ stops = st.none() | safe_text.map(lambda s: s[:8]) | st.lists(safe_text, max_siz
 sampling = {
     "temperature": st.none() | st.floats(0.0, 2.0), "top_p": st.none() | st.floats(0.01, 1.0), "n": st.integers(1, 2),
     "stop": stops, "seed": st.none() | st.integers(-(2**63), 2**63 - 1), "stream": st.booleans(), "user": safe_text,
-    "presence_penalty": st.just(0.0), "frequency_penalty": st.just(0.0),
+    "presence_penalty": st.none() | st.floats(-2.0, 2.0), "frequency_penalty": st.none() | st.floats(-2.0, 2.0),
+    "repetition_penalty": st.none() | st.floats(0.01, 10.0), "ignore_eos": st.booleans(),
+    "min_tokens": st.none() | st.integers(0, 6),
+    "logit_bias": st.dictionaries(st.integers(0, VOCAB - 1).map(str), st.floats(-100.0, 100.0), max_size=3),
+    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans(),
+                                                          "continuous_usage_stats": st.booleans()}),
 }
+
+
+def consistent(body: dict) -> dict:
+    """A valid body's fields that depend on others: stream_options only where stream is true, min_tokens at
+    most max_tokens (a 400 otherwise, which the valid bodies must not get)."""
+    if not body.get("stream"):
+        body.pop("stream_options", None)
+    if body.get("min_tokens") is not None:
+        body["min_tokens"] = min(body["min_tokens"], body.get("max_tokens", 1))
+    return body
+
 completion = st.fixed_dictionaries(
     {"model": st.just(NAME), "prompt": safe_text | st.lists(safe_text, min_size=1, max_size=3) | token_ids
      | st.lists(token_ids, min_size=1, max_size=3)},
     optional={**sampling, "max_tokens": st.integers(1, 6), "logprobs": st.none() | st.integers(0, 5)},
-).filter(lambda b: b.get("max_tokens") is not None)
+).filter(lambda b: b.get("max_tokens") is not None).map(consistent)
 message = st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "developer", "user", "assistant"]),
      "content": safe_text | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": safe_text}), max_size=2)},
@@ -105,14 +125,28 @@ chat = st.fixed_dictionaries(
     {"model": st.just(NAME), "messages": st.lists(message, min_size=1, max_size=3),
      "max_tokens": st.integers(1, 6)},
     optional={**sampling, "logprobs": st.booleans()},
-)
+).map(consistent)
 STRUCTURED_FIELDS = ["response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                      "guided_grammar"]
-COMPLETION_FIELDS = ["model", "prompt", "max_tokens", "logprobs", "echo", "best_of", "suffix", "logit_bias",
-                     *sampling, "stream_options", *STRUCTURED_FIELDS]
-CHAT_FIELDS = ["model", "messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "logit_bias",
-               "tools", "tool_choice", "parallel_tool_calls", "metadata", "store", *sampling, "stream_options",
+COMPLETION_FIELDS = ["model", "prompt", "max_tokens", "logprobs", "echo", "best_of", "suffix",
+                     *sampling, *STRUCTURED_FIELDS]
+CHAT_FIELDS = ["model", "messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs",
+               "tools", "tool_choice", "parallel_tool_calls", "metadata", "store", *sampling,
                *STRUCTURED_FIELDS]
+
+
+TOKENIZE_OPTIONS = {"model": st.just(NAME), "add_special_tokens": st.booleans(), "return_token_strs": st.booleans()}
+tokenize_bodies = {
+    "/tokenize": st.fixed_dictionaries({"prompt": safe_text}, optional=TOKENIZE_OPTIONS)
+    | st.fixed_dictionaries({"messages": st.lists(message, min_size=1, max_size=3)},
+                            optional={**TOKENIZE_OPTIONS, "add_generation_prompt": st.booleans()}),
+    "/detokenize": st.fixed_dictionaries({"tokens": st.lists(st.integers(0, VOCAB - 1), max_size=16)},
+                                         optional={"model": st.just(NAME)}),
+}
+TOKENIZE_FIELDS = {"/tokenize": ["model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                                 "return_token_strs", "tools"],
+                   "/detokenize": ["model", "tokens"]}
+TOKENIZE_RELATED = {"messages": {"prompt"}, "prompt": {"messages"}}  # the field that says which form a body is
 
 
 def encode(body) -> bytes:
@@ -190,6 +224,27 @@ def test_one_hostile_field_is_a_400_naming_it(client, data, chat_endpoint):
 
 
 @FUZZ
+@given(data=st.data(), path=st.sampled_from(sorted(tokenize_bodies)))
+def test_tokenize_and_detokenize(client, data, path):
+    """Valid bodies are answered in vLLM's shape; one hostile field is a 400 naming it."""
+    body = data.draw(tokenize_bodies[path])
+    status, headers, payload = client.send("POST", path, encode(body), "application/json")
+    assert status == 200, payload[:500]
+    answer = strict(payload)
+    if path == "/tokenize":
+        assert answer["count"] == len(answer["tokens"]) and all(0 <= t < VOCAB for t in answer["tokens"])
+    else:
+        assert isinstance(answer["prompt"], str)
+    field = data.draw(st.sampled_from(TOKENIZE_FIELDS[path]) | safe_text | surrogate)
+    body[field] = data.draw(hostile)
+    status, headers, payload = client.send("POST", path, encode(body), "application/json")
+    if status == 400 and field in TOKENIZE_RELATED and strict(payload)["error"]["param"] in TOKENIZE_RELATED[field]:
+        return
+    if status != 200:
+        check_response(status, headers, payload, field)
+
+
+@FUZZ
 @given(raw=st.one_of(
     st.binary(max_size=64),
     st.integers(1, 60_000).map(lambda d: b"[" * d + b"]" * d),
@@ -199,9 +254,12 @@ def test_one_hostile_field_is_a_400_naming_it(client, data, chat_endpoint):
     hostile.map(encode),
 ), content_type=st.sampled_from(["application/json", "application/json; charset=utf-8", "text/plain",
                                  "application/x-www-form-urlencoded", "multipart/form-data; boundary=b", None]),
-   path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+   path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]))
 def test_raw_bodies_and_content_types(client, raw, content_type, path):
     status, headers, payload = client.send("POST", path, raw, content_type)
+    if status == 200 and path in tokenize_bodies:  # a random object may be a valid body: {"prompt": "x"}
+        strict(payload)
+        return
     check_response(status, headers, payload)
     if content_type is None or not content_type.startswith("application/json"):
         assert status == 415

@@ -48,6 +48,18 @@ def test_a_missing_key_gets_401(server):
         assert response.status == 401
         assert json.loads(response.read())["error"]["code"] == "invalid_api_key"
         conn.close()
+    for path in ("/tokenize", "/detokenize"):  # behind the key like the other POST routes
+        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=TIMEOUT)
+        conn.request("POST", path, body=json.dumps({"prompt": "x", "tokens": [1]}),
+                     headers={"Content-Type": "application/json", "Authorization": "Bearer sk-wrong"})
+        response = conn.getresponse()
+        assert response.status == 401 and json.loads(response.read())["error"]["code"] == "invalid_api_key"
+        conn.close()
+        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=TIMEOUT)
+        conn.request("POST", path, body=json.dumps({"prompt": "x"} if path == "/tokenize" else {"tokens": [1]}),
+                     headers={"Content-Type": "application/json", "Authorization": "Bearer " + KEY})
+        assert conn.getresponse().status == 200
+        conn.close()
 
 
 @pytest.mark.parametrize("key", ["sk-wrong", KEY + "x"])

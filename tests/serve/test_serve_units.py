@@ -148,6 +148,17 @@ def test_a_request_with_the_default_sampling_uses_the_engines_config_as_it_is():
     assert stopped.stop == ["x"] and "generation_config" not in stopped.engine_kwargs
     assert "tokenizer" not in stopped.engine_kwargs
     assert handlers.generation_config.do_sample is False and handlers.generation_config.stop_strings is None
+    neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_tokens": 0,
+               "logit_bias": {}}
+    assert "generation_config" not in job(neutral).engine_kwargs  # neutral values: the engine's config as it is
+    options = {"presence_penalty": 0.5, "frequency_penalty": -1.0, "repetition_penalty": 1.2, "min_tokens": 3,
+               "logit_bias": {"7": -100}}
+    config = job(options).engine_kwargs["generation_config"]
+    assert (config.presence_penalty, config.frequency_penalty, config.repetition_penalty) == (0.5, -1.0, 1.2)
+    assert config.min_new_tokens == 3 and config.logit_bias == {7: -100}
+    assert job(options).min_tokens == 3
+    with pytest.raises(APIError, match="ignore_eos"):  # an engine without the keyword: refused by name
+        job({"ignore_eos": True})
 
 
 # ------------------------------------------------------------------------------- hardening: stop matcher
@@ -201,6 +212,36 @@ def test_incremental_text_sends_the_text_before_the_first_stop_however_it_is_spl
     cut = first_stop(text, stops)
     assert "".join(deltas) == (text if cut is None else text[:cut])
     assert stream.stopped == (cut is not None)
+
+
+def first_stop_after(text: str, stops: list[str], quiet: int) -> int | None:
+    """The reference with vLLM's ``min_tokens``: of the stop sequences ending after ``quiet`` characters,
+    the one that ends first (the longest of those ending together); its start."""
+    ends = [(i + len(s), -len(s)) for s in stops for i in range(len(text)) if text.startswith(s, i)]
+    ends = [e for e in ends if e[0] > quiet]
+    if not ends:
+        return None
+    end, neg = min(ends)
+    return end + neg
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@given(text=st.text("ab", min_size=1, max_size=24), stops=st.lists(st.text("ab", min_size=1, max_size=3),
+                                                                     max_size=3),
+       cuts=st.lists(st.integers(0, 30)), min_tokens=st.integers(0, 26))
+def test_with_min_tokens_no_stop_sequence_ends_in_the_first_tokens(text, stops, cuts, min_tokens):
+    stream = IncrementalText(char_decoder, stops, min_tokens)  # a character a token
+    pieces = split(text, cuts)
+    deltas = [stream.add(chars(p), final=i == len(pieces) - 1) for i, p in enumerate(pieces)]
+    cut = first_stop_after(text, stops, min_tokens)
+    assert "".join(deltas) == (text if cut is None else text[:cut])
+    assert stream.stopped == (cut is not None)
+
+
+def test_min_tokens_passes_over_a_stop_that_ends_early_but_not_one_that_begins_early():
+    assert "".join(feed(IncrementalText(char_decoder, ["END"], 4), "xENDyENDz")) == "xENDy"
+    assert "".join(feed(IncrementalText(char_decoder, ["END"], 3), "xENDyENDz")) == "x"  # it ends in token 4
+    assert "".join(feed(IncrementalText(char_decoder, ["END"], 0), "xENDyENDz")) == "x"
 
 
 def test_a_32k_character_stop_sequence_is_cheap():
