@@ -21,7 +21,7 @@ import inspect
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -124,7 +124,9 @@ class Handlers:
     async def completions(self, request: Request) -> Any:
         req, prompts, texts = await self._off_loop(self._prepare_completion, await self._body(request))
         limit = req.max_tokens if req.max_tokens is not None else 16  # an explicit null: OpenAI's default
-        job = self._job(req, prompts, [limit] * len(prompts), req.logprobs, structure=req.structured())
+        # max_tokens=0 (with echo): the engine samples once after any prompt; that token is dropped (Job.echo_only)
+        job = self._job(req, prompts, [max(limit, 1)] * len(prompts), req.logprobs, structure=req.structured(),
+                        prompt_logprobs=req.prompt_logprobs(), echo_only=limit == 0)  # fmt: skip
         echo = texts if req.echo else [""] * len(prompts)
         run = await self._start(job)
         meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.settings.model_name}
@@ -135,7 +137,9 @@ class Handlers:
         for choice in job.choices:
             mine = [e for e in events if e.choice is choice]
             text = "".join(e.text for e in mine)
-            logprobs = _completion_logprobs([lp for e in mine for lp in e.logprobs], len(echo[choice.prompt_index]))
+            scored = next((e.prompt_logprobs for e in mine if e.prompt_logprobs is not None), [])
+            logprobs = _completion_logprobs([lp for e in mine for lp in e.logprobs], len(echo[choice.prompt_index]),
+                                            scored)  # fmt: skip
             choices.append({"index": choice.index, "text": echo[choice.prompt_index] + text,
                             "logprobs": logprobs if req.logprobs is not None else None,
                             "finish_reason": choice.finish_reason})
@@ -251,7 +255,8 @@ class Handlers:
         return chat_prompt_ids(self.tokenizer, messages, template, tools, generation_prompt)
 
     def _job(self, req: Any, prompts: list[list[int]], limits: list[int], top_logprobs: int | None,
-             prompt_param: str = "prompt", structure: Structure = (None, None)) -> Job:
+             prompt_param: str = "prompt", structure: Structure = (None, None), prompt_logprobs: int | None = None,
+             echo_only: bool = False) -> Job:
         for prompt, limit in zip(prompts, limits):
             if len(prompt) + limit > self.context_length:
                 raise APIError(
@@ -270,7 +275,9 @@ class Handlers:
         # defaults, cost ~0.2 ms of the event loop per request, which a burst of arrivals waits on.
         # Stop sequences are ours alone (text.IncrementalText, stops.StopMatcher): the engine's
         # stop_strings would build transformers' vocabulary x length table per distinct string.
-        for name, value in (("logprobs", top_logprobs), ("seed", req.seed), ("ignore_eos", req.ignore_eos or None)):
+        options = (("logprobs", top_logprobs), ("seed", req.seed), ("ignore_eos", req.ignore_eos or None),
+                   ("prompt_logprobs", prompt_logprobs))
+        for name, value in options:
             if value is None:
                 continue
             if name not in self.engine_options:
@@ -288,7 +295,7 @@ class Handlers:
                                "unsupported_parameter")
             kwargs.update(structured=spec, tokenizer=self.tokenizer)
         return Job(prompts, req.n, limits, req.stop_list(), kwargs, want_logprobs=top_logprobs is not None,
-                   structured_param=param, min_tokens=req.min_tokens or 0)
+                   structured_param=param, min_tokens=req.min_tokens or 0, echo_only=echo_only)
 
     def _sampling_changes(self, req: Any) -> dict[str, Any]:
         """The generation-config fields the request sets to something other than the engine's."""
@@ -397,12 +404,16 @@ class StreamUsage:
         return {"usage": None} if self.final else {}
 
 
-def _completion_logprobs(entries: list[TokenInfo], shift: int) -> dict[str, Any]:
+def _completion_logprobs(entries: list[TokenInfo], shift: int, prompt: Sequence[TokenInfo] = ()) -> dict[str, Any]:
+    """The legacy ``logprobs`` object: the ``prompt``'s tokens first (echo with logprobs; the first
+    one's log-probability and alternatives are null), then the generated ``entries`` (their offsets
+    shifted by the ``shift`` characters of the echoed prompt)."""
+    both = [*prompt, *entries]
     return {
-        "tokens": [e.text for e in entries],
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [dict(e.top) for e in entries],
-        "text_offset": [shift + e.offset for e in entries],
+        "tokens": [e.text for e in both],
+        "token_logprobs": [e.logprob for e in both],
+        "top_logprobs": [dict(e.top) if e.top is not None else None for e in both],
+        "text_offset": [e.offset for e in prompt] + [shift + e.offset for e in entries],
     }
 
 
@@ -433,11 +444,16 @@ async def _completion_chunks(
     run: JobRun, meta: dict[str, Any], echo: list[str], usage: StreamUsage
 ) -> AsyncIterator[dict[str, Any]]:
     base = {**meta, "object": "text_completion"}
+    scored = "prompt_logprobs" in run.job.engine_kwargs  # the echo waits for its log-probabilities
     for choice in run.job.choices:
-        if echo[choice.prompt_index]:
+        if echo[choice.prompt_index] and not scored:
             yield {**base, "choices": [{"index": choice.index, "text": echo[choice.prompt_index], "logprobs": None,
                                         "finish_reason": None}], **usage.chunk(run.job)}
     async for event in run.events():
+        if event.prompt_logprobs is not None:  # the choice's first event: its echo, with the prompt's logprobs
+            echoed = {"index": event.choice.index, "text": echo[event.choice.prompt_index],
+                      "logprobs": _completion_logprobs([], 0, event.prompt_logprobs), "finish_reason": None}
+            yield {**base, "choices": [echoed], **usage.chunk(run.job)}
         if not (event.text or event.logprobs or event.finish_reason):
             continue
         shift = len(echo[event.choice.prompt_index])

@@ -42,16 +42,18 @@ class Choice:
     num_tokens: int = 0
     finish_reason: str | None = None
     offset: int = 0  # characters of the tokens seen so far, for logprobs' text_offset and trimming
+    prompt_scored: bool = False  # its prompt's log-probabilities (echo with logprobs) have been sent
 
 
 @dataclass(slots=True)
 class TokenInfo:
-    """One generated token's log-probability, as OpenAI's logprobs show it."""
+    """One token's log-probability, as OpenAI's logprobs show it (a prompt's first token has none:
+    ``logprob`` and ``top`` are None, sent as ``null``)."""
 
     text: str  # the token decoded on its own
-    logprob: float
-    offset: int  # where it starts in the choice's text
-    top: list[tuple[str, float]]  # the k best alternatives, best first
+    logprob: float | None
+    offset: int  # where it starts in the choice's text (a prompt token: in the echoed prompt)
+    top: list[tuple[str, float]] | None  # the k best alternatives, best first
 
 
 @dataclass
@@ -60,6 +62,7 @@ class ChoiceEvent:
     text: str
     logprobs: list[TokenInfo] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[TokenInfo] | None = None  # on a choice's first event, with echo and logprobs
 
 
 @dataclass
@@ -79,6 +82,9 @@ class Job:
     want_logprobs: bool = False
     structured_param: str | None = None
     min_tokens: int = 0  # no stop sequence ends in the text of the first min_tokens tokens (vLLM's)
+    # echo with max_tokens=0: the engine generates one token (it always samples after the prompt),
+    # which is dropped: the answer is the prompt and its log-probabilities only
+    echo_only: bool = False
     choices: list[Choice] = field(default_factory=list)
 
     @property
@@ -133,7 +139,7 @@ class JobRun:
                 choice, out = await self.queue.get()
                 if choice.finish_reason is not None:
                     continue  # stopped by a stop sequence; the engine had a step more in flight
-                event = _event(choice, out, self.decode)
+                event = _event(choice, out, self.decode, self.job.echo_only)
                 if event.finish_reason is not None:
                     num_open -= 1
                     if not out.finished:  # our stop sequence ended it: the engine never sees stop sequences
@@ -149,14 +155,21 @@ class JobRun:
                 self.loop.abort(choice.request_id)
 
 
-def _event(choice: Choice, out: Any, decode: Callable[[list[int]], str]) -> ChoiceEvent:
+def _event(choice: Choice, out: Any, decode: Callable[[list[int]], str], echo_only: bool = False) -> ChoiceEvent:
     if out.finish_reason == "error":
         raise APIError(500, f"generation failed: {out.error}", code="generation_error")
     if out.finish_reason == "abort":
         raise APIError(503, "the request was aborted (the server is shutting down)", code="aborted")
+    scored = None
+    if getattr(out, "prompt_logprobs", None) is not None and not choice.prompt_scored:
+        choice.prompt_scored = True
+        scored = _prompt_infos(out.prompt_ids, out.prompt_logprobs, decode)
+    if echo_only:  # max_tokens=0: the one token the engine generated is not part of the answer
+        choice.finish_reason = "length"
+        return ChoiceEvent(choice, "", finish_reason="length", prompt_logprobs=scored)
     choice.num_tokens = len(out.output_ids)
     delta = choice.text.add(out.new_ids, final=out.finished)
-    event = ChoiceEvent(choice, delta)
+    event = ChoiceEvent(choice, delta, prompt_logprobs=scored)
     if choice.text.stopped:
         choice.finish_reason = "stop"
     elif out.finished:
@@ -170,3 +183,17 @@ def _event(choice: Choice, out: Any, decode: Callable[[list[int]], str]) -> Choi
                 event.logprobs.append(TokenInfo(token, finite_logprob(entry.logprob), choice.offset, top))
             choice.offset += len(token)
     return event
+
+
+def _prompt_infos(prompt_ids: list[int], scored: list[Any], decode: Callable[[list[int]], str]) -> list[TokenInfo]:
+    """The prompt's tokens with the engine's ``prompt_logprobs`` (entry 0 None), offsets in the prompt's text."""
+    infos, offset = [], 0
+    for token_id, entry in zip(prompt_ids, scored):
+        text = decode([token_id])
+        if entry is None:
+            infos.append(TokenInfo(text, None, offset, None))
+        else:
+            top = [(decode([t]), finite_logprob(lp)) for t, lp in entry.top]
+            infos.append(TokenInfo(text, finite_logprob(entry.logprob), offset, top))
+        offset += len(text)
+    return infos

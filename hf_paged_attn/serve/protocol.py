@@ -3,7 +3,7 @@ engine call, and documented by the same models in ``/openapi.json``.
 
 Every field OpenAI defines that we cannot honour is refused by name (HTTP 400), never ignored:
 unknown fields are rejected by ``extra="forbid"``, and the few we recognise but only accept at
-their neutral value (``best_of``, ``suffix``, ``store``, ``echo`` with ``logprobs``) are checked in
+their neutral value (``best_of``, ``suffix``, ``store``) are checked in
 ``unsupported_options``.
 
 Every value is bounded: integers by range, floats finite, strings valid Unicode (no lone surrogates,
@@ -195,8 +195,10 @@ class _Sampling(StructuredFields):
 
 class CompletionRequest(_Sampling):
     prompt: Prompt = Field(description=f"{PROMPT_FORMS}; token ids below the vocabulary size")
-    max_tokens: int | None = Field(default=16, ge=1, le=MAX_TOKENS)  # OpenAI's default for completions
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_tokens: int | None = Field(default=16, ge=0, le=MAX_TOKENS, description=(
+        "OpenAI's default 16; 0 only with echo: the prompt (with logprobs, its log-probabilities), nothing generated"))
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS, description=(
+        "the k best alternatives of each token; with echo, of each prompt token too (the first has null)"))
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
     suffix: _text(MAX_NAME_CHARS) | None = None
@@ -207,9 +209,20 @@ class CompletionRequest(_Sampling):
             bad.append("best_of")
         if self.suffix:
             bad.append("suffix")
-        if self.echo and self.logprobs is not None:
-            bad.append("echo with logprobs (log-probabilities of prompt tokens)")
         return bad
+
+    def check_fields(self) -> None:
+        super().check_fields()
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens=0 asks for nothing: it is only allowed with echo (the prompt and, with "
+                           "logprobs, its log-probabilities)", "max_tokens", "invalid_value")
+        if self.max_tokens == 0 and self.structured()[0] is not None:
+            raise APIError(400, f"max_tokens=0 generates nothing for {self.structured()[1]} to constrain",
+                           "max_tokens", "invalid_value")
+
+    def prompt_logprobs(self) -> int | None:
+        """How many alternatives each prompt token's log-probability comes with (echo with logprobs)."""
+        return self.logprobs if self.echo else None
 
     def prompts(self) -> list[str] | list[list[int]]:
         """The prompt as a list of prompts (strings or token-id lists)."""

@@ -385,3 +385,78 @@ def test_tokenize_bodies_are_bounded_and_in_the_openapi_schema(demo_server):
     assert components["TokenizeChatRequest"]["additionalProperties"] is False
     body = schema["paths"]["/detokenize"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert components[body["$ref"].rsplit("/", 1)[1]]["required"] == ["tokens"]
+
+
+# ------------------------------------------------------------------------------- echo with logprobs
+def prompt_scores(model, ids: list[int]) -> list[float]:
+    """log p(ids[i] | ids[:i]) for i >= 1 under sdpa's forward over the whole prompt."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return logprobs[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_logprobs_scores_the_prompt(client, reference, stream):
+    tokenizer, _, model = reference
+    prompt = "The for statement iterates over"
+    ids = tokenizer(prompt)["input_ids"]
+    kwargs = {"model": NAME, "prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 2}
+    plain = client.completions.create(**{**kwargs, "echo": False})
+    if stream:
+        chunks = [c for c in client.completions.create(**kwargs, stream=True) if c.choices]
+        assert chunks[0].choices[0].text == prompt  # the echo comes first, with the prompt's log-probabilities
+        assert len(chunks[0].choices[0].logprobs.tokens) == len(ids)
+        text = "".join(c.choices[0].text for c in chunks)
+        tokens = [t for c in chunks for t in c.choices[0].logprobs.tokens]
+        token_logprobs = [lp for c in chunks for lp in c.choices[0].logprobs.token_logprobs]
+        top = [t for c in chunks for t in c.choices[0].logprobs.top_logprobs]
+    else:
+        out = client.completions.create(**kwargs).choices[0]
+        text, tokens = out.text, out.logprobs.tokens
+        token_logprobs, top = out.logprobs.token_logprobs, out.logprobs.top_logprobs
+        assert out.logprobs.text_offset[: len(ids)] == sorted(out.logprobs.text_offset[: len(ids)])
+    generated = plain.choices[0].logprobs
+    assert text == prompt + plain.choices[0].text
+    # each token decoded on its own, as the echoed text is: special tokens (BOS) as ""
+    assert tokens == [tokenizer.decode([t], skip_special_tokens=True) for t in ids] + generated.tokens
+    assert token_logprobs[0] is None and top[0] is None  # nothing comes before the first token
+    assert token_logprobs[1 : len(ids)] == pytest.approx(prompt_scores(model, ids), abs=1e-4)
+    assert all(len(t) == 2 and max(t.values()) >= lp - 1e-6 for t, lp in zip(top[1:], token_logprobs[1:]))
+    assert token_logprobs[len(ids) :] == pytest.approx(generated.token_logprobs, abs=1e-5)
+
+
+def test_max_tokens_0_with_echo_returns_the_scored_prompt_only(client, reference):
+    tokenizer, _, model = reference
+    ids = tokenizer("A tuple is a")["input_ids"]
+    out = client.completions.create(model=NAME, prompt=ids, max_tokens=0, echo=True, logprobs=0)
+    choice = out.choices[0]
+    assert choice.text == tokenizer.decode(ids, skip_special_tokens=True) and choice.finish_reason == "length"
+    assert out.usage.completion_tokens == 0 and out.usage.prompt_tokens == len(ids)
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(prompt_scores(model, ids), abs=1e-4)
+    assert choice.logprobs.top_logprobs[1:] == [{}] * (len(ids) - 1)  # logprobs=0: no alternatives
+    streamed_text = "".join(c.choices[0].text for c in client.completions.create(
+        model=NAME, prompt=ids, max_tokens=0, echo=True, stream=True) if c.choices)
+    assert streamed_text == choice.text
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=NAME, prompt=ids, max_tokens=0)
+    assert info.value.body["param"] == "max_tokens"
+
+
+def test_lm_evals_loglikelihood_body(client, reference):
+    """What lm-eval's local-completions sends for loglikelihood: token-id prompts (context +
+    continuation), max_tokens 1, logprobs 1, echo; it sums token_logprobs[ctxlen:-1]."""
+    tokenizer, _, model = reference
+    context = tokenizer("Python is")["input_ids"]
+    rows = [context + tokenizer(c, add_special_tokens=False)["input_ids"] for c in (" a", " used to", " fast")]
+    out = client.completions.create(model=NAME, prompt=rows, max_tokens=1, logprobs=1, echo=True, temperature=0,
+                                    seed=1234)  # fmt: skip
+    for choice in sorted(out.choices, key=lambda c: c.index):
+        row = rows[choice.index]
+        got = choice.logprobs.token_logprobs[len(context) : -1]
+        assert len(choice.logprobs.tokens) == len(row) + 1
+        assert sum(got) == pytest.approx(sum(prompt_scores(model, row)[len(context) - 1 :]), abs=1e-3)
+        for lp, top in zip(got, choice.logprobs.top_logprobs[len(context) : -1]):
+            assert len(top) == 1 and max(top.values()) >= lp - 1e-6  # lm-eval's is_greedy reads this
