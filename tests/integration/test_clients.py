@@ -1,6 +1,7 @@
 """The libraries transformers users already run, on the engine: TRL's ``GRPOTrainer`` (plain
 ``generate`` and ``use_transformers_continuous_batching=True``) and lm-evaluation-harness' ``hf``
-model (``generate_until`` and ``loglikelihood``, sample for sample identical to sdpa).
+model (``generate_until`` and ``loglikelihood``, sample for sample identical to sdpa), and its
+``local-completions`` model against ``hf-paged-attn serve`` (equal to its ``hf`` model).
 
 Needs the ``[clients]`` extra: ``make test-clients`` (not part of ``make test``: it takes about a
 minute to install). Nothing is downloaded: tiny local models, a task and its data written here.
@@ -131,20 +132,24 @@ def test_lm_eval_local_completions_on_our_server_equals_its_hf_model(tiny_tasks)
 
     manager = TaskManager(include_path=tiny_tasks)
     tasks = ["tiny_gen", "tiny_choice"]
+    # lm-eval's hf model passes max_length = context + max_gen_toks, which the demo model's
+    # generation_config.max_new_tokens (64) overrides in transformers; so both get 64 here. And its
+    # hf model adds BOS where local-completions does not by default: add_bos_token=True below.
+    gen_kwargs = "max_gen_toks=64"
 
     def responses(results: dict) -> dict:
         return {task: [s["resps"] for s in samples] for task, samples in results["samples"].items()}
 
     expected = responses(lm_eval.simple_evaluate(
         model="hf", model_args=f"pretrained={DEMO_MODEL},attn_implementation=sdpa,dtype=float32",
-        tasks=tasks, task_manager=manager, log_samples=True, batch_size=4, device="cpu",
+        tasks=tasks, task_manager=manager, log_samples=True, batch_size=4, device="cpu", gen_kwargs=gen_kwargs,
     ))  # fmt: skip
     with ServerProcess(DEMO_MODEL, ["--served-model-name", "demo"], env={"OMP_NUM_THREADS": "1"}) as server:
         got = responses(lm_eval.simple_evaluate(
             model="local-completions",
             model_args=f"base_url={server.url}/v1/completions,model=demo,tokenizer_backend=huggingface,"
-                       f"tokenizer={DEMO_MODEL},num_concurrent=4,max_retries=1,tokenized_requests=True",
-            tasks=tasks, task_manager=manager, log_samples=True,
+                       f"tokenizer={DEMO_MODEL},num_concurrent=4,max_retries=1,tokenized_requests=True,add_bos_token=True",
+            tasks=tasks, task_manager=manager, log_samples=True, gen_kwargs=gen_kwargs,
         ))  # fmt: skip
     assert got["tiny_gen"] == expected["tiny_gen"]
     assert len(got["tiny_choice"]) == len(ROWS)
