@@ -348,12 +348,17 @@ class ChatCompletionRequest(_Sampling):
         if self.n > limits.max_choices:
             raise APIError(400, f"n={self.n} is more generations than this server runs at once "
                            f"({limits.max_choices}, --max-queue)", "n", "too_many_choices")
-        num_chars = sum(m.num_chars() for m in self.messages)
-        if self.tools:
-            num_chars += len(json.dumps(template_tools(self.tools)))
-        if num_chars > limits.max_prompt_chars:
-            raise APIError(400, f"the messages have {num_chars} characters; this server accepts at most "
-                           f"{limits.max_prompt_chars}", "messages", "prompt_too_long")
+        check_messages_length(self.messages, self.tools, limits)
+
+
+def check_messages_length(messages: list[ChatMessage], tools: Any, limits: RequestLimits) -> None:
+    """APIError 400 naming ``messages`` when they (and the tools' JSON) exceed the prompt characters."""
+    num_chars = sum(m.num_chars() for m in messages)
+    if tools:
+        num_chars += len(json.dumps(template_tools(tools)))
+    if num_chars > limits.max_prompt_chars:
+        raise APIError(400, f"the messages have {num_chars} characters; this server accepts at most "
+                       f"{limits.max_prompt_chars}", "messages", "prompt_too_long")
 
 
 # ------------------------------------------------------------------------------------ parsing

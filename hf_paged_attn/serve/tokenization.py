@@ -12,7 +12,6 @@ vocabulary, prompt characters, and the body's size (``--max-body-bytes``) before
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -20,8 +19,16 @@ from pydantic import BaseModel, ConfigDict, Field
 from .errors import APIError
 from .fields import text
 from .limits import RequestLimits
-from .protocol import MAX_MESSAGES, MAX_MODEL_CHARS, MAX_PROMPT_TOKENS, ChatMessage, TokenId, parse
-from .tools import Tools, check_tools, template_tools
+from .protocol import (
+    MAX_MESSAGES,
+    MAX_MODEL_CHARS,
+    MAX_PROMPT_TOKENS,
+    ChatMessage,
+    TokenId,
+    check_messages_length,
+    parse,
+)
+from .tools import Tools, check_tools
 
 
 class _Request(BaseModel):
@@ -61,12 +68,7 @@ class TokenizeChatRequest(_Request):
         check_tools(self.tools, None)
 
     def check(self, limits: RequestLimits) -> None:
-        num_chars = sum(m.num_chars() for m in self.messages)
-        if self.tools:
-            num_chars += len(json.dumps(template_tools(self.tools)))
-        if num_chars > limits.max_prompt_chars:
-            raise APIError(400, f"the messages have {num_chars} characters; this server accepts at most "
-                           f"{limits.max_prompt_chars}", "messages", "prompt_too_long")
+        check_messages_length(self.messages, self.tools, limits)
 
 
 class DetokenizeRequest(_Request):
