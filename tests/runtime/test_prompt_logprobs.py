@@ -142,3 +142,24 @@ def test_beam_search_refused(llama_pair):
     with pytest.raises(NotImplementedError, match="prompt_logprobs"):
         engine.add_request([1, 2, 3], generation_config=GenerationConfig(num_beams=2, max_new_tokens=2),
                            prompt_logprobs=1)
+
+
+def test_with_speculative_decoding(llama_dir, llama_pair):
+    """A draft model's feeds and prompt lookup's proposals around a scoring request: its scores and
+    tokens unchanged (the draft never scores a prompt)."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_paged_attn import SpeculativeConfig
+
+    ref, paged = llama_pair
+    twin = AutoModelForCausalLM.from_pretrained(llama_dir, attn_implementation="paged").eval()
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], ragged_prompts(1, 12, 12, seed=4)[0]]
+    for draft in (twin, None):
+        speculative = SpeculativeConfig(num_speculative_tokens=3, draft_model=draft)
+        engine = ContinuousBatchingEngine(paged, PagedConfig(block_size=4, num_blocks=96, speculative=speculative))
+        ids = [engine.add_request(p, max_new_tokens=8, prompt_logprobs=1) for p in prompts]
+        out = finals(engine)
+        assert engine.stats.num_draft_tokens > 0
+        for rid, prompt in zip(ids, prompts):
+            assert out[rid].finish_reason == "length" and out[rid].output_ids == reference_greedy(ref, prompt, 8)
+            check_against_reference_k1(ref, prompt, out[rid].prompt_logprobs)
