@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-clients bench lint soak notebooks
+.PHONY: demo test test-slow test-clients bench guidellm-bench lint soak notebooks
 
 # OpenMP threads that spin while they wait make a shared or busy CPU up to 30x slower (the demo:
 # 0.6 s or 20 s). Every target runs with OMP_WAIT_POLICY=PASSIVE unless the environment sets it.
@@ -39,6 +39,11 @@ lint: $(STAMP)
 BENCH_ARGS ?= --workload uniform
 bench: $(STAMP)
 	$(PY) -m hf_paged_attn_tools.bench --out benchmarks/results $(BENCH_ARGS)
+
+# guidellm (installed apart: benchmarks/README.md) against our server and transformers serve; GUIDELLM=its executable.
+GUIDELLM_ARGS ?= --repeat 3
+guidellm-bench: $(STAMP)
+	$(PY) benchmarks/guidellm_serve.py --out benchmarks/results $(GUIDELLM_ARGS)
 
 # Regenerate examples/*.ipynb from examples/make_notebooks.py, execute them, store them with outputs.
 notebooks: $(STAMP)
