@@ -51,6 +51,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from hf_paged_attn.runtime.compiled import COMPILE_AFTER_STEPS
 from hf_paged_attn_tools.bench.report import default_out_dir
 from hf_paged_attn_tools.bench.serve import free_port, model_dir
 from hf_paged_attn_tools.launch import ServerProcess
@@ -120,9 +121,12 @@ def warm_up(server: ServerProcess, system: str, model: str, compile_: bool, time
     """One completion (transformers' first request also sets up its batching manager; it gets the
     same extra fields as guidellm's); ours then waits for its compile. Returns the seconds taken."""
     start = time.monotonic()
-    body: dict[str, Any] = {"model": model, "prompt": "A list is", "max_tokens": 8}
+    # ours starts its compile after COMPILE_AFTER_STEPS engine steps: the warm-up runs that many
+    body: dict[str, Any] = {"model": model, "prompt": "A list is", "max_tokens": COMPILE_AFTER_STEPS + 8}
     if system == "transformers":
         body.update({k: v for k, v in TRANSFORMERS_EXTRAS["body"].items() if v is not None})
+    else:
+        body["ignore_eos"] = True  # all COMPILE_AFTER_STEPS of them
     request = urllib.request.Request(server.url + "/v1/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=timeout) as response:

@@ -6,7 +6,9 @@ dynamic (``run_graph``), as vLLM's is (bucketing, one static graph per padded si
 graphs in 94 s where the dynamic one took 40 s, and static shapes make inductor pick MKL's slow
 fp32 matmuls here: benchmarks/README.md). The compile runs in a background thread on a step of
 padding rows (``CompiledModel.start``, logged), so no request waits for it: steps run eagerly until
-the graph is ready. It is kept per model (``compiled_model``): a second engine (a second
+the graph is ready. It starts once the model has run ``COMPILE_AFTER_STEPS`` steps (a short script
+never compiles), and a process that exits while it runs lets it stop first (an interpreter torn
+down under it aborted the process). It is kept per model (``compiled_model``): a second engine (a second
 ``model.generate``) on the same model compiles nothing.
 
 What the graph sees:
@@ -41,6 +43,7 @@ every step through version counters, ``CompiledModel.stale``), the model runs ea
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import logging
@@ -80,6 +83,33 @@ SKIP_GUARDS = os.environ.get("HF_PAGED_ATTN_SKIP_GUARDS", "1") != "0"
 
 
 FX_TRACE_LOCK = threading.RLock()  # held by a torch.fx trace, and by every eager step of a CompiledExecutor
+# The compile starts once the model's engines have run this many steps: a short script (one
+# generate of a few dozen tokens) never pays for a compile it would not live to use, nor waits for it
+# at exit; a server or a batch job starts it within a second or so. ``CompiledExecutor.wait()`` and
+# ``wait_compiled`` start it at once.
+COMPILE_AFTER_STEPS = 64
+EXIT_WAIT_S = 600.0  # how long the process waits at exit for a compile still running
+_COMPILING: set[threading.Thread] = set()  # compile threads still running
+
+
+def _wait_for_compiles_at_exit() -> None:
+    """Let a background compile finish before the interpreter shuts down: torch's C++ state torn down
+    under a compiling thread aborts the process ("terminate called without an active exception",
+    exit status 134: a short script that ended while its model compiled did that)."""
+    global _EXITING
+    _EXITING = True
+    running = [thread for thread in list(_COMPILING) if thread.is_alive()]
+    if running:  # it stops soon: inductor can no longer start its worker futures once the interpreter exits
+        logger.warning("hf_paged_attn: stopping the model's background compile before exiting "
+                       "(PagedConfig(compile=False) or HF_PAGED_ATTN_COMPILE=0 skips it for short scripts)")
+    for thread in running:
+        thread.join(EXIT_WAIT_S)
+
+
+_EXITING = False  # the interpreter is exiting: a compile that fails now was abandoned, not broken
+
+
+atexit.register(_wait_for_compiles_at_exit)
 
 
 def guard_fx_tracing() -> None:
@@ -133,6 +163,7 @@ class CompiledModel:
     failed: str | None = None  # why the compile failed: then this model runs eagerly
     compile_seconds: float = 0.0
     num_compiles: int = 0
+    num_eager_steps: int = 0  # steps run eagerly before the graph was ready, by every engine on the model
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def start(self, device: torch.device) -> None:
@@ -145,6 +176,7 @@ class CompiledModel:
             self.weights = fingerprint(self.tensors)
             guard_fx_tracing()  # before the thread can trace
             self.thread = threading.Thread(target=self._compile, args=args, name="hf_paged_attn-compile", daemon=True)
+            _COMPILING.add(self.thread)
             self.thread.start()
 
     def _compile(self, device: torch.device, num_threads: int) -> None:
@@ -161,13 +193,18 @@ class CompiledModel:
             run_graph(self, CompiledStep(None, None, self.modules, 0), ids, positions, indices)
         except Exception as exc:
             self.failed = f"{type(exc).__name__}: {exc}"
-            logger.warning("hf_paged_attn: compiling the model's forward failed (%s); steps run eagerly", self.failed)
+            if _EXITING:
+                logger.debug("hf_paged_attn: the background compile stopped at exit (%s)", self.failed)
+            else:
+                logger.warning("hf_paged_attn: compiling the model's forward failed (%s); steps run eagerly",
+                               self.failed)
         else:
             self.compile_seconds = time.perf_counter() - start
             self.num_compiles += 1
             logger.warning("hf_paged_attn: compiled the model's forward in %.1f s", self.compile_seconds)
         finally:
             self.ready.set()
+            _COMPILING.discard(threading.current_thread())
 
 
     def stale(self) -> bool:
@@ -259,10 +296,14 @@ def run_graph(
 
 
 def wait_compiled(model: torch.nn.Module, timeout: float | None = None) -> bool:
-    """Wait until ``model``'s background compile is done; True when its graph is ready (False: no
-    compile was started for it, it failed, or ``timeout`` seconds passed)."""
+    """Start ``model``'s background compile if an engine has run on it and it has not started (it
+    starts by itself after ``COMPILE_AFTER_STEPS`` steps), and wait until it is done; True when its
+    graph is ready (False: no compiled engine ever ran on it, it failed, or ``timeout`` seconds passed)."""
     found = _MODELS.get(model)
-    return found is not None and found.thread is not None and found.ready.wait(timeout) and found.failed is None
+    if found is None:
+        return False
+    found.start(next(model.parameters()).device)
+    return found.ready.wait(timeout) and found.failed is None
 
 
 class CompiledExecutor:
@@ -295,7 +336,9 @@ class CompiledExecutor:
         if self.failed is not None or not self.layers.observed or step.has_beams:
             return self._eager(step)
         if not self.compiled.ready.is_set():
-            self.compiled.start(step.input_ids.device)
+            self.compiled.num_eager_steps += 1
+            if self.compiled.num_eager_steps >= COMPILE_AFTER_STEPS:  # a run long enough to pay for it
+                self.compiled.start(step.input_ids.device)
             return self._eager(step)
         if self.compiled.stale():
             self.compiled.failed = "the model's weights changed after its compile froze them"

@@ -9,6 +9,7 @@ once and the tests that need a compiled graph share it; the demo model's parity 
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -190,3 +191,39 @@ def test_eager_steps_wait_for_an_fx_trace_in_another_thread(llama_dir, monkeypat
         got = run(engine, prompts, 6)
         tracer.join(timeout=10)
     assert not compare_greedy(ref, prompts, expected, got)
+
+
+def test_a_short_run_does_not_compile(llama_dir) -> None:
+    _, paged = load_pair(llama_dir)  # a fresh model
+    with ContinuousBatchingEngine(paged, ON) as engine:
+        run(engine, ragged_prompts(2, 3, 9, seed=2), 8)  # 8 steps: fewer than COMPILE_AFTER_STEPS
+        assert engine.executor.compiled.thread is None
+        assert 0 < engine.executor.compiled.num_eager_steps < compiled_module.COMPILE_AFTER_STEPS
+
+
+EXIT_SCRIPT = """
+import sys, torch, hf_paged_attn
+from transformers import AutoModelForCausalLM
+from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
+from hf_paged_attn.runtime.compiled import wait_compiled
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], attn_implementation="paged").eval()
+engine = ContinuousBatchingEngine(model, PagedConfig(num_blocks=32, compile=True))
+engine.add_request([1, 2, 3], max_new_tokens=3)
+print(len([o for o in engine.stream() if o.finished]))
+assert not wait_compiled(model, timeout=2.0)  # the compile has started and runs (into inductor: ~10 s here)
+"""
+
+
+def test_exiting_while_the_compile_runs_exits_cleanly(llama_dir) -> None:
+    """A process that ends while its model compiles in the background: exit status 0 (it was 134,
+    'terminate called without an active exception', torch torn down under the compiling thread)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    done = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, llama_dir], capture_output=True, text=True,
+                          timeout=300, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "1"
+    assert "stopping the model's background compile before exiting" in done.stderr
+    assert "terminate called" not in done.stderr
