@@ -18,6 +18,12 @@ them is accepted and the rest rolled back (commit of the verified count, ``trim`
 ``runtime/speculative`` does. A rejected proposal's K/V sits in the pages like any other, so a
 block registered in the prefix cache while holding one shows up as a cached block whose content is
 not its key's.
+
+Requests that score their prompt (``prompt_logprobs``, ``add_scoring``) must be fed every prompt
+position once: no step may start one past a position not yet scored (a prefix hit would), and a
+finished one has exactly one score per prompt token. ``weights_changed`` does what a manager's
+pause does after the caller may have changed the weights: prefix caching goes off, and no request
+admitted after it may be served from the cache.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from hf_paged_attn.core.blocks import ROOT_DIGEST, BlockAllocator, blocks_for, chain_digest
 from hf_paged_attn.core.kv_manager import KVBlockManager
 from hf_paged_attn.core.policy import POLICIES
-from hf_paged_attn.core.request import Request, Status
+from hf_paged_attn.core.request import Request, Status, TokenLogprob
 from hf_paged_attn.core.scheduler import Scheduler, SchedulerOutput
 
 ALPHABET = (1, 2)
@@ -81,6 +87,8 @@ class Simulation:
         self.num_proposed = 0  # speculative tokens fed, accepted, and blocks trimmed after a rejection
         self.num_accepted = 0
         self.num_trimmed = 0
+        self.num_scored = 0  # prompt positions scored (prompt_logprobs)
+        self.hits_frozen: int | None = None  # prefix-cache hits when the weights changed
         self._ids = 0
 
     @property
@@ -92,11 +100,13 @@ class Simulation:
         return f"r{self._ids}"
 
     # ------------------------------------------------------------------ operations
-    def add(self, prompt: list[int], max_new_tokens: int, priority: int = 0) -> Request:
+    def add(self, prompt: list[int], max_new_tokens: int, priority: int = 0, scores_prompt: bool = False) -> Request:
         """Queue a request, clamped so it can ever fit (the engine refuses the others)."""
         prompt = prompt[: self.capacity] or [ALPHABET[0]]
         max_new_tokens = max(1, min(max_new_tokens, self.capacity - len(prompt) + 1))
         request = Request(self._new_id(), list(prompt), max_new_tokens, None, self._ids, priority=priority)
+        if scores_prompt:  # as add_request(prompt_logprobs=0) sets it up
+            request.num_prompt_logprobs, request.prompt_logprobs = 0, [None]
         assert self.scheduler.can_ever_fit(request)
         self.scheduler.add(request)
         self.live.append(request)
@@ -111,6 +121,7 @@ class Simulation:
         """
         plan = self.scheduler.schedule()
         self._check_plan(plan)
+        self._score_prompts(plan)
         self._apply_copies(plan.block_copies)
         for s in plan.scheduled:
             self._write(s.request, s.request.num_computed_tokens, s.num_new_tokens)
@@ -144,6 +155,7 @@ class Simulation:
             request.lookahead = len(request.draft_ids)
         plan = self.scheduler.schedule()
         self._check_plan(plan)
+        self._score_prompts(plan)
         for s in plan.scheduled:  # what Speculator.propose does: proposals cut to the room granted
             request = s.request
             granted = s.num_new_tokens - request.num_pending_tokens
@@ -190,7 +202,25 @@ class Simulation:
             request.draft_ids, request.lookahead = [], 0
         return plan
 
+    def _score_prompts(self, plan: SchedulerOutput) -> None:
+        """What ``Updater._score_prompts`` records for the step's scoring requests, checked first:
+        the chunk starts at or before the first position not scored yet."""
+        for s in plan.scheduled:
+            r = s.request
+            if not r.scores_prompt:
+                continue
+            assert r.num_computed_tokens <= len(r.prompt_logprobs) - 1, (
+                f"{r.request_id}: the step starts at {r.num_computed_tokens}, past position "
+                f"{len(r.prompt_logprobs) - 1}, which is not scored yet (a prefix hit skipped it)"
+            )
+            positions = r.prompt_positions(r.num_computed_tokens, s.num_new_tokens)
+            r.prompt_logprobs += [TokenLogprob(r.prompt_ids[p + 1], 0.0) for p in positions]
+            self.num_scored += len(positions)
+
     def finish(self, request: Request, reason: str) -> None:
+        if reason == "length" and request.prompt_logprobs is not None:
+            assert len(request.prompt_logprobs) == len(request.prompt_ids), "each prompt token scored once"
+            assert [e.token_id for e in request.prompt_logprobs[1:]] == request.prompt_ids[1:]
         self.scheduler.remove(request)
         request.finish(reason)
         self.live.remove(request)
@@ -277,6 +307,8 @@ class Simulation:
     def check(self) -> None:
         alloc, sched, size = self.allocator, self.scheduler, self.block_size
         alloc.check_invariants()
+        if self.hits_frozen is not None:
+            assert self.kv.num_cached_tokens == self.hits_frozen, "a prefix hit after the weights changed"
         free = set(alloc._empty) | set(alloc._evictable)
         used = {b for b in range(alloc.num_blocks) if alloc.ref_count(b) > 0}
         assert not free & used, f"blocks both free and in use: {sorted(free & used)}"
@@ -399,10 +431,29 @@ class SchedulerMachine(RuleBasedStateMachine):
         if self.sim.live:
             self.sim.finish(self.sim.live[pick % len(self.sim.live)], "abort")
 
+    @rule(
+        prompt=st.lists(st.sampled_from(ALPHABET), min_size=1, max_size=MAX_PROMPT),
+        max_new=st.integers(1, MAX_NEW),
+    )
+    def add_scoring(self, prompt: list[int], max_new: int) -> None:
+        """A request scoring its prompt (often one whose prefix is cached: the alphabet has two letters)."""
+        self.sim.add(prompt, max_new, scores_prompt=True)
+
+    @rule(roll=st.integers(0, 7))
+    def weights_changed(self, roll: int) -> None:
+        """What a manager's pause does: the cached K/V may be stale, so nothing later hits it.
+        (One draw in 8: most examples keep the prefix cache on to the end.)"""
+        if roll:
+            return
+        self.sim.allocator.enable_prefix_caching = False
+        if self.sim.hits_frozen is None:
+            self.sim.hits_frozen = self.sim.kv.num_cached_tokens
+
     @rule(pick=st.integers(0, 1 << 16))
     def fork(self, pick: int) -> None:
-        """Fork any running request, also one part-way through its prefill."""
-        running = self.sim.scheduler.running
+        """Fork any running request, also one part-way through its prefill (not one scoring its
+        prompt: the engine forks after the prompt's first sample, when its scores are complete)."""
+        running = [r for r in self.sim.scheduler.running if not r.scores_prompt]
         if running:
             self.sim.fork(running[pick % len(running)])
 
@@ -422,6 +473,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         event(f"copied={self.sim.num_copies > 0}")
         event(f"forked={self.sim.num_forks > 0}")
         event(f"speculated={self.sim.num_accepted > 0 and self.sim.num_trimmed > 0}")
+        event(f"scored a prompt={self.sim.num_scored > 0}")
+        event(f"weights changed={self.sim.hits_frozen is not None}")
         # Liveness: left alone, the queued work finishes (no preemption livelock) and frees everything.
         drained = copy.deepcopy(self.sim)
         drained.drain()
