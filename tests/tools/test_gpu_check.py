@@ -30,7 +30,8 @@ SCRIPTS = ROOT / "scripts"
 GPU_LOGS = sorted((ROOT / "benchmarks" / "gpu").glob("*.log"))
 LINE = re.compile(r"^\[(PASS|FAIL|SKIPPED)\] (\S+): ")
 # The parity checks whose CPU variants run in seconds (the Triton interpreter takes ~0.3 s per call).
-CPU_PARITY = ("kernels", "greedy/fp32", "greedy/bf16/torch", "graphs/fp32", "e2e/fp32-parity", "cascade", "mixed")
+CPU_PARITY = ("kernels", "greedy/fp32", "greedy/bf16/torch", "graphs/fp32", "e2e/fp32-parity", "cascade", "mixed",
+              "speculative", "prompt-logprobs", "structured")  # fmt: skip
 FIGURES = ("bandwidth/", "splitk/", "graphs/bf16", "e2e/bf16", "throughput/")
 
 
@@ -81,7 +82,9 @@ def test_registry_order_reads_like_the_previous_gpu_logs(gpu_check):
         "kernels/torch/bf16", "greedy/fp32/torch", "greedy/fp32/triton", "greedy/bf16/torch", "greedy/bf16/triton",
         "greedy/bf16/flash", "graphs/fp32", "e2e/fp32-parity", "cascade/fp32", "mixed/offload", "mixed/split",
     ]  # fmt: skip
-    assert names[16:] == ["bandwidth/triton", "bandwidth/flash", "bandwidth/torch", "splitk/bf16", "graphs/bf16",
+    # the sixth session's parity checks (speculation, prompt scoring, grammars), then the figures
+    assert names[16:19] == ["speculative/fp32", "prompt-logprobs/fp32", "structured/fp32"]
+    assert names[19:] == ["bandwidth/triton", "bandwidth/flash", "bandwidth/torch", "splitk/bf16", "graphs/bf16",
                           "e2e/bf16", "throughput/bf16"]  # fmt: skip
     # Every name the earlier GPU runs printed is still a check (their order predates parity-first).
     assert GPU_LOGS, "benchmarks/gpu/ holds the earlier runs' logs"
@@ -256,9 +259,9 @@ def test_dry_run_resolves_every_api_of_every_check():
     from_list = run_script("--list", timeout=120)
     assert from_list.returncode == 0, from_list.stderr
     names = [line.split()[0] for line in from_list.stdout.splitlines()]
-    assert [line.split()[1].rstrip(":") for line in lines] == names and len(names) == 23
+    assert [line.split()[1].rstrip(":") for line in lines] == names and len(names) == 26
     assert all(line.startswith("[OK] ") for line in lines), lines
-    assert proc.stdout.rstrip().endswith("dry run: 23 checks resolved, 0 with missing APIs")
+    assert proc.stdout.rstrip().endswith("dry run: 26 checks resolved, 0 with missing APIs")
 
 
 def test_dry_run_reports_what_is_gone(gpu_check, capsys):
@@ -304,7 +307,8 @@ def test_parity_checks_pass_on_the_cpu(tmp_path):
     for name, result in results.items():
         want = "SKIPPED" if "flash" in name else "PASS"
         assert result["status"] == want, (name, result["detail"])
-    assert len(results) == 14 and {"greedy/fp32/triton", "graphs/fp32", "mixed/split"} <= set(results)
+    assert len(results) == 17 and {"greedy/fp32/triton", "graphs/fp32", "mixed/split", "structured/fp32"} <= set(results)
+    assert re.search(r"twin draft \d+ steps, [1-9]\d*/", results["speculative/fp32"]["detail"])
     # not vacuous: cases ran, steps were compared, graphs replayed, prefill read from the pages
     assert results["kernels/triton/fp32"]["detail"].startswith("12 cases")
     assert results["kernels/torch/bf16"]["detail"].startswith("9 cases")
@@ -324,7 +328,7 @@ def test_every_check_runs_on_the_cpu(tmp_path):
     proc = run_script("--device", "cpu", "--json", str(report), timeout=1800)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     results = json.loads(report.read_text())["results"]
-    assert len(results) == 23
+    assert len(results) == 26
     for result in results:
         want = "SKIPPED" if "flash" in result["check"] else "PASS"
         assert result["status"] == want, result
