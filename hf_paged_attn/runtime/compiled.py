@@ -7,7 +7,7 @@ graphs in 94 s where the dynamic one took 40 s, and static shapes make inductor 
 fp32 matmuls here: benchmarks/README.md). The compile runs in a background thread on a step of
 padding rows (``CompiledModel.start``, logged), so no request waits for it: steps run eagerly until
 the graph is ready. It starts once the model has run ``COMPILE_AFTER_STEPS`` steps (a short script
-never compiles), and a process that exits while it runs lets it stop first (an interpreter torn
+never compiles), and a process that exits while it runs waits for it to end (an interpreter torn
 down under it aborted the process). It is kept per model (``compiled_model``): a second engine (a second
 ``model.generate``) on the same model compiles nothing.
 
@@ -88,20 +88,23 @@ FX_TRACE_LOCK = threading.RLock()  # held by a torch.fx trace, and by every eage
 # at exit; a server or a batch job starts it within a second or so. ``CompiledExecutor.wait()`` and
 # ``wait_compiled`` start it at once.
 COMPILE_AFTER_STEPS = 64
-EXIT_WAIT_S = 600.0  # how long the process waits at exit for a compile still running
+EXIT_WAIT_S = 120.0  # how long the process waits at exit for a compile still running
 _COMPILING: set[threading.Thread] = set()  # compile threads still running
 
 
 def _wait_for_compiles_at_exit() -> None:
-    """Let a background compile finish before the interpreter shuts down: torch's C++ state torn down
+    """Let a background compile end before the interpreter shuts down: torch's C++ state torn down
     under a compiling thread aborts the process ("terminate called without an active exception",
-    exit status 134: a short script that ended while its model compiled did that)."""
+    exit status 134: a short script that ended while its model compiled did that). A compile that
+    has not begun its torch.fx trace stops there (``guard_fx_tracing``); one past it cannot be
+    interrupted and runs to its end (seconds to a minute), unless inductor fails first because the
+    interpreter refuses new worker futures. Past ``EXIT_WAIT_S`` the process exits regardless."""
     global _EXITING
     _EXITING = True
     running = [thread for thread in list(_COMPILING) if thread.is_alive()]
-    if running:  # it stops soon: inductor can no longer start its worker futures once the interpreter exits
-        logger.warning("hf_paged_attn: stopping the model's background compile before exiting "
-                       "(PagedConfig(compile=False) or HF_PAGED_ATTN_COMPILE=0 skips it for short scripts)")
+    if running:
+        logger.warning("hf_paged_attn: waiting (up to %.0f s) for the model's background compile to end before "
+                       "exiting; PagedConfig(compile=False) or HF_PAGED_ATTN_COMPILE=0 skips it", EXIT_WAIT_S)
     for thread in running:
         thread.join(EXIT_WAIT_S)
 
@@ -122,6 +125,8 @@ def guard_fx_tracing() -> None:
 
     @functools.wraps(trace)
     def locked_trace(self: torch.fx.Tracer, *args: object, **kwargs: object) -> torch.fx.Graph:
+        if _EXITING and threading.current_thread() in _COMPILING:  # the process is exiting: stop the compile here
+            raise RuntimeError("the interpreter is exiting")
         with FX_TRACE_LOCK:
             return trace(self, *args, **kwargs)
 

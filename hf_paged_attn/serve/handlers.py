@@ -124,9 +124,8 @@ class Handlers:
     async def completions(self, request: Request) -> Any:
         req, prompts, texts = await self._off_loop(self._prepare_completion, await self._body(request))
         limit = req.max_tokens if req.max_tokens is not None else 16  # an explicit null: OpenAI's default
-        # max_tokens=0 (with echo): the engine samples once after any prompt; that token is dropped (Job.echo_only)
-        job = self._job(req, prompts, [max(limit, 1)] * len(prompts), req.logprobs, structure=req.structured(),
-                        prompt_logprobs=req.prompt_logprobs(), echo_only=limit == 0)  # fmt: skip
+        job = self._job(req, prompts, [limit] * len(prompts), req.logprobs, structure=req.structured(),
+                        prompt_logprobs=req.prompt_logprobs())  # fmt: skip
         echo = texts if req.echo else [""] * len(prompts)
         run = await self._start(job)
         meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.settings.model_name}
@@ -148,9 +147,10 @@ class Handlers:
     async def chat(self, request: Request) -> Any:
         req, prompt, structure = await self._off_loop(self._prepare_chat, await self._body(request))
         limit = req.token_limit()
-        if limit is None:
+        if limit is None:  # the generation config's max_new_tokens, raised to min_tokens, within the context
             rest = self.context_length - len(prompt)
-            limit = min(self.generation_config.max_new_tokens or rest, rest) if rest > 0 else 1
+            wanted = max(self.generation_config.max_new_tokens or rest, req.min_tokens or 0)
+            limit = min(wanted, rest) if rest > 0 else 1
         top = (req.top_logprobs or 0) if req.logprobs else None
         job = self._job(req, [prompt], [limit], top, prompt_param="messages", structure=structure)
         run = await self._start(job)
@@ -255,9 +255,15 @@ class Handlers:
         return chat_prompt_ids(self.tokenizer, messages, template, tools, generation_prompt)
 
     def _job(self, req: Any, prompts: list[list[int]], limits: list[int], top_logprobs: int | None,
-             prompt_param: str = "prompt", structure: Structure = (None, None), prompt_logprobs: int | None = None,
-             echo_only: bool = False) -> Job:
+             prompt_param: str = "prompt", structure: Structure = (None, None),
+             prompt_logprobs: int | None = None) -> Job:
+        """``limits``: each prompt's max_tokens as the client asked (0: echo only, Job.echo_only)."""
+        echo_only = 0 in limits
         for prompt, limit in zip(prompts, limits):
+            if echo_only and len(prompt) >= self.context_length:  # the engine still computes one position past it
+                raise APIError(400, f"with max_tokens=0 a prompt may have at most {self.context_length - 1} tokens "
+                               f"(this model's context is {self.context_length}); it has {len(prompt)}", prompt_param,
+                               "context_length_exceeded")  # fmt: skip
             if len(prompt) + limit > self.context_length:
                 raise APIError(
                     400, f"this model's maximum context length is {self.context_length} tokens; the request asks "
@@ -294,7 +300,9 @@ class Handlers:
                                "'structured' extra: pip install 'hf-paged-attn[structured]')", param,
                                "unsupported_parameter")
             kwargs.update(structured=spec, tokenizer=self.tokenizer)
-        return Job(prompts, req.n, limits, req.stop_list(), kwargs, want_logprobs=top_logprobs is not None,
+        # max_tokens=0 (with echo): the engine samples once after any prompt; that token is dropped
+        engine_limits = [max(limit, 1) for limit in limits]
+        return Job(prompts, req.n, engine_limits, req.stop_list(), kwargs, want_logprobs=top_logprobs is not None,
                    structured_param=param, min_tokens=req.min_tokens or 0, echo_only=echo_only)
 
     def _sampling_changes(self, req: Any) -> dict[str, Any]:
@@ -406,9 +414,12 @@ class StreamUsage:
 
 def _completion_logprobs(entries: list[TokenInfo], shift: int, prompt: Sequence[TokenInfo] = ()) -> dict[str, Any]:
     """The legacy ``logprobs`` object: the ``prompt``'s tokens first (echo with logprobs; the first
-    one's log-probability and alternatives are null), then the generated ``entries`` (their offsets
-    shifted by the ``shift`` characters of the echoed prompt)."""
+    one's log-probability and alternatives are null), then the generated ``entries``, their offsets
+    shifted by the ``shift`` characters of the echoed prompt, or with a scored prompt by its
+    tokens' texts (equal unless a character is split across tokens, each piece shown as U+FFFD)."""
     both = [*prompt, *entries]
+    if prompt:  # offsets count the tokens' own texts throughout (vLLM's), so they never run backwards
+        shift = prompt[-1].offset + len(prompt[-1].text)
     return {
         "tokens": [e.text for e in both],
         "token_logprobs": [e.logprob for e in both],
@@ -456,7 +467,8 @@ async def _completion_chunks(
             yield {**base, "choices": [echoed], **usage.chunk(run.job)}
         if not (event.text or event.logprobs or event.finish_reason):
             continue
-        shift = len(echo[event.choice.prompt_index])
+        prompt_chars = event.choice.prompt_chars  # with a scored prompt, offsets count its tokens' texts
+        shift = prompt_chars if prompt_chars is not None else len(echo[event.choice.prompt_index])
         logprobs = _completion_logprobs(event.logprobs, shift) if run.job.want_logprobs else None
         choice = {"index": event.choice.index, "text": event.text, "logprobs": logprobs,
                   "finish_reason": event.finish_reason}

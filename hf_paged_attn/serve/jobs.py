@@ -43,6 +43,7 @@ class Choice:
     finish_reason: str | None = None
     offset: int = 0  # characters of the tokens seen so far, for logprobs' text_offset and trimming
     prompt_scored: bool = False  # its prompt's log-probabilities (echo with logprobs) have been sent
+    prompt_chars: int | None = None  # then: its prompt tokens' texts, where its own text_offsets start
 
 
 @dataclass(slots=True)
@@ -164,6 +165,7 @@ def _event(choice: Choice, out: Any, decode: Callable[[list[int]], str], echo_on
     if getattr(out, "prompt_logprobs", None) is not None and not choice.prompt_scored:
         choice.prompt_scored = True
         scored = _prompt_infos(out.prompt_ids, out.prompt_logprobs, decode)
+        choice.prompt_chars = scored[-1].offset + len(scored[-1].text)
     if echo_only:  # max_tokens=0: the one token the engine generated is not part of the answer
         choice.finish_reason = "length"
         return ChoiceEvent(choice, "", finish_reason="length", prompt_logprobs=scored)

@@ -225,5 +225,5 @@ def test_exiting_while_the_compile_runs_exits_cleanly(llama_dir) -> None:
                           timeout=300, env=env)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "1"
-    assert "stopping the model's background compile before exiting" in done.stderr
+    assert "for the model's background compile to end before exiting" in done.stderr
     assert "terminate called" not in done.stderr

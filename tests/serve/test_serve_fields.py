@@ -460,3 +460,33 @@ def test_lm_evals_loglikelihood_body(client, reference):
         assert sum(got) == pytest.approx(sum(prompt_scores(model, row)[len(context) - 1 :]), abs=1e-3)
         for lp, top in zip(got, choice.logprobs.top_logprobs[len(context) : -1]):
             assert len(top) == 1 and max(top.values()) >= lp - 1e-6  # lm-eval's is_greedy reads this
+
+
+def test_echo_offsets_never_run_backwards(client):
+    """A character split across tokens decodes piece by piece to U+FFFD: text_offset counts the
+    tokens' own texts throughout (vLLM's), so the generated tokens' offsets continue the prompt's."""
+    out = client.completions.create(model=NAME, prompt="é😀 ok", max_tokens=4, echo=True, logprobs=0, temperature=0)
+    offsets, tokens = out.choices[0].logprobs.text_offset, out.choices[0].logprobs.tokens
+    assert offsets == sorted(offsets)
+    assert [b - a for a, b in zip(offsets, offsets[1:])] == [len(t) for t in tokens[:-1]]
+
+
+def test_max_tokens_0_bounds_name_what_the_client_sent(client, demo_server):
+    context = 1024  # the demo model's max_position_embeddings
+    body = {"model": NAME, "prompt": [5] * (context - 1), "max_tokens": 0, "echo": True, "logprobs": 0}
+    status, answer = post(demo_server, "/v1/completions", body)
+    assert status == 200 and answer["usage"]["completion_tokens"] == 0
+    status, answer = post(demo_server, "/v1/completions", {**body, "prompt": [5] * context})
+    error = answer["error"]
+    assert status == 400 and error["param"] == "prompt" and "max_tokens=0" in error["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=NAME, prompt="A", max_tokens=0, echo=True, extra_body={"min_tokens": 2})
+    assert info.value.body["param"] == "min_tokens" and "max_tokens=0" in info.value.body["message"]
+
+
+def test_chat_min_tokens_above_the_default_limit(client):
+    """Without max_tokens a chat's limit is the generation config's max_new_tokens (64 on the demo
+    model), raised to min_tokens rather than refusing it."""
+    out = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], temperature=0,
+                                         extra_body={"min_tokens": 70})  # fmt: skip
+    assert out.usage.completion_tokens == 70 and out.choices[0].finish_reason == "length"

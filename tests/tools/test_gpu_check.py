@@ -307,7 +307,8 @@ def test_parity_checks_pass_on_the_cpu(tmp_path):
     for name, result in results.items():
         want = "SKIPPED" if "flash" in name else "PASS"
         assert result["status"] == want, (name, result["detail"])
-    assert len(results) == 17 and {"greedy/fp32/triton", "graphs/fp32", "mixed/split", "structured/fp32"} <= set(results)
+    assert len(results) == 17
+    assert {"greedy/fp32/triton", "graphs/fp32", "mixed/split", "structured/fp32"} <= set(results)
     assert re.search(r"twin draft \d+ steps, [1-9]\d*/", results["speculative/fp32"]["detail"])
     # not vacuous: cases ran, steps were compared, graphs replayed, prefill read from the pages
     assert results["kernels/triton/fp32"]["detail"].startswith("12 cases")
