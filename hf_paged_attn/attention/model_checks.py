@@ -41,6 +41,17 @@ def unsupported(config: object, class_name: str, reason: str) -> UnsupportedMode
     )
 
 
+def check_paged_model(model: torch.nn.Module, attn_implementation: str | None, role: str = "model") -> None:
+    """What an engine checks of a model it is given (``role``: "model", "draft model"): loaded with
+    ``attn_implementation="paged"`` (ValueError naming what it was) and one the paged engine can run."""
+    if attn_implementation != "paged":
+        raise ValueError(
+            f"the {role}'s attention implementation is {attn_implementation!r}; load it with "
+            'from_pretrained(..., attn_implementation="paged") (after `import hf_paged_attn`)'
+        )
+    check_model_supported(model)
+
+
 def check_model_supported(model: torch.nn.Module) -> None:
     """Raise ``UnsupportedModelError`` if the paged engine can't run ``model`` correctly."""
     check_config_supported(model.config, type(model))

@@ -11,7 +11,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 
 from .. import transformers_private as hf
 from ..attention.cache import PagedAttentionCache
-from ..attention.model_checks import check_model_supported
+from ..attention.model_checks import check_paged_model
 from ..attention.step import build_step
 from ..core.blocks import BlockAllocator
 from ..core.intake import Intake
@@ -51,13 +51,7 @@ class ContinuousBatchingEngine(BatchAPI):
         launcher: Launcher | None = None,
     ) -> None:
         """``num_blocks`` (or ``config.num_blocks``): the memory of that many blocks in every layer."""
-        attn = hf.attn_implementation(model)
-        if attn != "paged":
-            raise ValueError(
-                f"the model's attention implementation is {attn!r}; load it with "
-                'from_pretrained(..., attn_implementation="paged") (after `import hf_paged_attn`)'
-            )
-        check_model_supported(model)
+        check_paged_model(model, hf.attn_implementation(model))
         self.model = model
         self.config = config = (config or PagedConfig()).for_model(model)  # the concrete kernel and block size
         self.generation_config = generation_config or model.generation_config

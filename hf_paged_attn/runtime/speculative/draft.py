@@ -28,7 +28,7 @@ import torch
 
 from ... import transformers_private as hf
 from ...attention.cache import PagedAttentionCache
-from ...attention.model_checks import check_model_supported
+from ...attention.model_checks import check_paged_model
 from ...attention.step import build_step
 from ...core.layers import LayerKinds
 from ...core.request import Request
@@ -99,13 +99,7 @@ class DraftProposer:
         backend: AttentionBackend,
         max_batch_tokens: int,
     ) -> None:
-        attn = hf.attn_implementation(model)
-        if attn != "paged":
-            raise ValueError(
-                f"the draft model's attention implementation is {attn!r}; load it with "
-                'from_pretrained(..., attn_implementation="paged")'
-            )
-        check_model_supported(model)
+        check_paged_model(model, hf.attn_implementation(model), "draft model")
         vocab, target_vocab = (m.config.get_text_config().vocab_size for m in (model, target))
         if vocab != target_vocab:
             raise ValueError(
