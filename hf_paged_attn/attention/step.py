@@ -10,6 +10,7 @@ excluded from a broadcast or shared between forwards.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -98,6 +99,7 @@ def build_step(
     sampled: list[bool] | None = None,
     block_copies: list[tuple[int, int]] | tuple[tuple[int, int], ...] = (),
     drafts: list[list[int]] | None = None,
+    scored: Sequence[tuple[int, range]] = (),
 ) -> StepMetadata:
     """The description of one step. ``sampled[i]`` says whether request i's last new token is
     sampled (default: when its chunk reaches the end of its known tokens). Each attention group gets
@@ -105,7 +107,8 @@ def build_step(
     ``block_copies``: the scheduler's copy-on-write pairs, carried out before the forward.
     ``drafts[i]``: speculative tokens fed after request i's known ones (counted in its
     ``num_new_tokens``); its last ``1 + len(drafts[i])`` rows are all sampled, to verify them.
-    Requests scoring their prompt (``prompt_scoring``) add the rows of those positions at the end."""
+    ``scored``: the requests scoring prompt tokens and their positions (``prompt_scoring(scheduled)``,
+    which the engine hands the update too); those positions' rows come last."""
     q_lens = [s.num_new_tokens for s in scheduled]
     starts = [s.request.num_computed_tokens for s in scheduled]
     known = q_lens if drafts is None else [n - len(d) for n, d in zip(q_lens, drafts)]
@@ -138,7 +141,6 @@ def build_step(
         logits_indices = cu_q[1:].long() - 1
     else:
         logits_indices = (cu_q[1:].long() - 1)[torch.tensor(sampled, dtype=torch.bool)]
-    scored = prompt_scoring(scheduled)
     if scored:  # prompt_logprobs: the rows that score prompt tokens follow the sampled ones
         extra = [int(cu_q[i]) + p - starts[i] for i, positions in scored for p in positions]
         logits_indices = torch.cat([logits_indices, torch.tensor(extra, dtype=torch.long)])
@@ -159,8 +161,9 @@ def build_step(
 
 def prompt_scoring(scheduled: list[ScheduledRequest]) -> list[tuple[int, range]]:
     """(index in ``scheduled``, positions) of the requests whose chunk scores prompt tokens
-    (``Request.prompt_positions``): their logits rows come last in ``logits_indices``, in this order.
-    Read before the step's tokens are committed (``num_computed_tokens`` is the chunk's start)."""
+    (``Request.prompt_positions``): their logits rows come last in ``logits_indices``, in this order
+    (``build_step(scored=)``, ``Updater.apply(scored=)``). Read before the step's tokens are
+    committed (``num_computed_tokens`` is the chunk's start)."""
     out = []
     for i, s in enumerate(scheduled):
         if s.request.scores_prompt:

@@ -12,7 +12,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from .. import transformers_private as hf
 from ..attention.cache import PagedAttentionCache
 from ..attention.model_checks import check_paged_model
-from ..attention.step import build_step
+from ..attention.step import build_step, prompt_scoring
 from ..core.blocks import BlockAllocator
 from ..core.intake import Intake
 from ..core.kv_manager import KVBlockManager
@@ -194,8 +194,9 @@ class ContinuousBatchingEngine(BatchAPI):
         forward_start = time.perf_counter()
         try:
             drafts = self.speculator.propose(plan)  # None unless some request speculates
+            scored = prompt_scoring(plan.scheduled)  # prompt_logprobs: the positions this step scores
             step = build_step(plan.scheduled, self.config.block_size, self.device, self.layers,
-                              block_copies=plan.block_copies, drafts=drafts)  # fmt: skip
+                              block_copies=plan.block_copies, drafts=drafts, scored=scored)  # fmt: skip
             logits = self.executor.execute(step)
         except Exception as exc:  # one failing step must not take the engine down
             return self.updater.fail(plan, exc)
@@ -203,7 +204,7 @@ class ContinuousBatchingEngine(BatchAPI):
         self.counters.forward_seconds += time.perf_counter() - forward_start
         if not self.layers.observed:  # every layer has now attended once: the windows they really use
             self.layers.observe(self.cache.observed_windows())
-        return self.updater.apply(plan, logits)
+        return self.updater.apply(plan, logits, scored)
 
     def _take_intake(self) -> list[RequestOutput]:
         """Move new requests to the scheduler and carry out aborts; returns the aborted outputs."""

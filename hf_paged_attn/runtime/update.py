@@ -16,9 +16,10 @@ failure (a caller's processor or criterion that raises) finishes that request al
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from ..attention.step import prompt_scoring
 from ..core.intake import Intake
 from ..core.kv_manager import KVBlockManager
 from ..core.request import Request, RequestOutput
@@ -48,12 +49,14 @@ class Updater:
         self.history: TokenHistory | None = None  # made on the logits' device at the first step
         self._advancing: Lockstep | None = None
 
-    def apply(self, plan: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
+    def apply(
+        self, plan: SchedulerOutput, logits: torch.Tensor, scored: Sequence[tuple[int, range]] = ()
+    ) -> list[RequestOutput]:
         """The step ran: ``logits`` [num_sampled, vocab] float32, one row per request whose chunk
         reached the end of its known tokens, in scheduling order (speculating requests: all theirs),
-        then the rows that score prompt tokens (``prompt_logprobs``), which are recorded first."""
+        then the rows of ``scored`` (``attention.step.prompt_scoring``: prompt tokens to score),
+        which are recorded first."""
         outputs: list[RequestOutput] = []
-        scored = prompt_scoring(plan.scheduled)
         if scored:  # prompt_logprobs: their rows follow the sampled ones (attention/step.py)
             num_rows = sum(len(positions) for _, positions in scored)
             self._score_prompts(plan, scored, logits[logits.shape[0] - num_rows :])
@@ -117,7 +120,7 @@ class Updater:
 
     # ----------------------------------------------------------------------------- per request
     @staticmethod
-    def _score_prompts(plan: SchedulerOutput, scored: list[tuple[int, range]], logits: torch.Tensor) -> None:
+    def _score_prompts(plan: SchedulerOutput, scored: Sequence[tuple[int, range]], logits: torch.Tensor) -> None:
         """Record the prompt log-probabilities of the step's scoring rows ``logits`` [rows, vocab]."""
         row = 0
         for i, positions in scored:

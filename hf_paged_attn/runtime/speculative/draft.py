@@ -48,7 +48,6 @@ class _Feed:
     tokens: list[int]
     block_tables: list[list[int]]
     group: None = None
-    scores_prompt: bool = False  # the draft never scores prompts (prompt_logprobs are the target's)
     num_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
