@@ -190,18 +190,13 @@ def post_json(client: Client, path: str, body, bad_field: str | None = None) -> 
 
 
 # --------------------------------------------------------------------------------- the fuzz tests
+@pytest.mark.parametrize(("path", "bodies"), [("/v1/completions", completion), ("/v1/chat/completions", chat)],
+                         ids=["completions", "chat"])  # fmt: skip
 @FUZZ
-@given(body=completion)
-def test_valid_completions_are_served(client, body):
-    status, headers, payload = client.send("POST", "/v1/completions", encode(body), "application/json")
-    assert status == 200, payload[:500]
-    check_response(status, headers, payload)
-
-
-@FUZZ
-@given(body=chat)
-def test_valid_chats_are_served(client, body):
-    status, headers, payload = client.send("POST", "/v1/chat/completions", encode(body), "application/json")
+@given(data=st.data())
+def test_valid_requests_are_served(client, path, bodies, data):
+    body = data.draw(bodies)
+    status, headers, payload = client.send("POST", path, encode(body), "application/json")
     assert status == 200, payload[:500]
     check_response(status, headers, payload)
 
