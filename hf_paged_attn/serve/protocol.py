@@ -242,10 +242,8 @@ class CompletionRequest(_Sampling):
                 if len(p) > limits.max_prompt_chars:
                     raise APIError(400, f"a prompt of {len(p)} characters is longer than this server accepts "
                                    f"({limits.max_prompt_chars})", "prompt", "prompt_too_long")
-            elif max(p) >= limits.vocab_size:
-                bad = next(t for t in p if t >= limits.vocab_size)
-                raise APIError(400, f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})", "prompt",
-                               "invalid_token_id")
+            else:
+                check_in_vocabulary(p, limits, "prompt")
 
 
 class ContentPart(BaseModel):
@@ -349,6 +347,14 @@ class ChatCompletionRequest(_Sampling):
             raise APIError(400, f"n={self.n} is more generations than this server runs at once "
                            f"({limits.max_choices}, --max-queue)", "n", "too_many_choices")
         check_messages_length(self.messages, self.tools, limits)
+
+
+def check_in_vocabulary(ids: list[int], limits: RequestLimits, param: str) -> None:
+    """APIError 400 naming ``param`` when an id of ``ids`` is not below the vocabulary size."""
+    if ids and max(ids) >= limits.vocab_size:
+        bad = next(t for t in ids if t >= limits.vocab_size)
+        raise APIError(400, f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})", param,
+                       "invalid_token_id")
 
 
 def check_messages_length(messages: list[ChatMessage], tools: Any, limits: RequestLimits) -> None:

@@ -25,6 +25,7 @@ from .protocol import (
     MAX_PROMPT_TOKENS,
     ChatMessage,
     TokenId,
+    check_in_vocabulary,
     check_messages_length,
     parse,
 )
@@ -75,10 +76,7 @@ class DetokenizeRequest(_Request):
     tokens: Annotated[list[TokenId], Field(max_length=MAX_PROMPT_TOKENS)]
 
     def check(self, limits: RequestLimits) -> None:
-        if self.tokens and max(self.tokens) >= limits.vocab_size:
-            bad = next(t for t in self.tokens if t >= limits.vocab_size)
-            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})", "tokens",
-                           "invalid_token_id")
+        check_in_vocabulary(self.tokens, limits, "tokens")
 
 
 TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
