@@ -11,6 +11,7 @@ import torch
 
 from ..core.policy import POLICIES
 from ..kernels import BACKENDS, KERNELS, resolve_kernel
+from . import fp32_matmuls
 from .placement import kernel_device
 from .speculative.config import SpeculativeConfig
 
@@ -63,6 +64,13 @@ class PagedConfig:
             is not ``0``, off elsewhere; ``True`` on
             another device raises ValueError; ``False``: eager forwards. A failed compile is logged
             and the engine runs eagerly.
+        fp32_matmuls: a bfloat16 / float16 model's linear layers computed in float32 on float32
+            copies of their weights (``fp32_matmuls.py``: the same rounding as a half-precision matmul,
+            whose products are exact in float32, at 2x the weights' memory), for CPUs that have no fast
+            half-precision matmul (no AVX-512 BF16 / AMX: torch's fallback there is ~7x slower than
+            its float32 sgemm). ``None`` (the default): on for a half-precision model on such a CPU;
+            ``True``: on for any half-precision model on the CPU (``True`` on another device raises
+            ValueError); ``False``: off.
         speculative: speculative decoding for every request that can speculate
             (``SpeculativeConfig``: prompt lookup, or a draft model); None: only requests whose own
             generation config sets ``prompt_lookup_num_tokens`` speculate.
@@ -81,6 +89,7 @@ class PagedConfig:
     hybrid_kv: bool = True
     cuda_graphs: bool | None = None
     compile: bool | None = None
+    fp32_matmuls: bool | None = None
     speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
@@ -95,6 +104,8 @@ class PagedConfig:
             raise ValueError(f"PagedConfig.cuda_graphs must be None or a bool, got {self.cuda_graphs!r}")
         if self.compile is not None and not isinstance(self.compile, bool):
             raise ValueError(f"PagedConfig.compile must be None or a bool, got {self.compile!r}")
+        if self.fp32_matmuls is not None and not isinstance(self.fp32_matmuls, bool):
+            raise ValueError(f"PagedConfig.fp32_matmuls must be None or a bool, got {self.fp32_matmuls!r}")
         if self.scheduling_policy not in POLICIES:
             raise ValueError(
                 f"PagedConfig.scheduling_policy must be one of {tuple(POLICIES)}, got {self.scheduling_policy!r}"
@@ -133,8 +144,8 @@ class PagedConfig:
     def resolved(self, device: torch.device, dtype: torch.dtype | None = None, sinks: bool = False) -> PagedConfig:
         """This config made concrete for a model on ``device`` in ``dtype`` (``sinks``: with attention
         sinks): ``kernel="auto"`` becomes the backend that will run, then ``block_size=None`` that
-        backend's size, then ``cuda_graphs=None`` whether graphs can run and ``compile=None`` whether
-        the forward compiles."""
+        backend's size, then ``cuda_graphs=None`` whether graphs can run, ``compile=None`` whether
+        the forward compiles and ``fp32_matmuls=None`` whether half-precision matmuls run in float32."""
         kernel = resolve_kernel(self.kernel, device, self.block_size, dtype, sinks)
         backend = BACKENDS[kernel]
         block_size = self.block_size or backend.default_block_size(device)
@@ -153,7 +164,17 @@ class PagedConfig:
                 f"{device.type}. Leave compile=None to compile where it wins"
             )
         compile_ = self.compile if self.compile is not None else compile_by_default(device)
-        return self.replace(kernel=kernel, block_size=block_size, cuda_graphs=cuda_graphs, compile=compile_)
+        if self.fp32_matmuls and device.type != "cpu":
+            raise ValueError(
+                f"PagedConfig.fp32_matmuls=True is for models on the CPU; the model is on {device.type}. "
+                "Leave fp32_matmuls=None to use them where the CPU lacks half-precision matmuls"
+            )
+        fp32 = self.fp32_matmuls
+        if fp32 is None:
+            fp32 = device.type == "cpu" and fp32_matmuls.hardware_lacks(dtype)
+        fp32 = fp32 and (dtype is None or dtype in fp32_matmuls.HALF)  # nothing to do for a float32 model
+        return self.replace(kernel=kernel, block_size=block_size, cuda_graphs=cuda_graphs, compile=compile_,
+                            fp32_matmuls=fp32)  # fmt: skip
 
 
 COMPILE_ENV = "HF_PAGED_ATTN_COMPILE"  # "0": ``compile=None`` means off (the test suite sets it)

@@ -26,6 +26,7 @@ from ..attention.forward import ForwardContext
 from ..attention.step import StepMetadata
 from ..core.layers import LayerKinds
 from ..kernels.base import AttentionBackend
+from . import fp32_matmuls
 from .config import PagedConfig
 from .memory import fitting_blocks
 from .placement import layer_devices
@@ -108,6 +109,8 @@ class LocalLauncher:
     def cache_size(
         self, model: torch.nn.Module, config: PagedConfig, layers: LayerKinds, num_blocks: int | None
     ) -> CacheSize:
+        if config.fp32_matmuls:  # before sizing the cache from free memory: the copies take some
+            fp32_matmuls.install(model)
         num_blocks = num_blocks or fitting_blocks(model, config, layers)
         # Graphs' padding rows write a scratch page that no request ever holds.
         return CacheSize(num_blocks, num_blocks + int(self._graphs(model, config)))

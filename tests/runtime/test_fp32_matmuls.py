@@ -1,0 +1,127 @@
+"""Half-precision linears in float32 (``hf_paged_attn/runtime/fp32_matmuls.py``): the rounding of a bf16
+matmul (checked against a float64 reference), only under inference mode (training reaches the real
+parameter), a changed weight copied again, other forwards left alone, the config switch, and greedy
+parity of an engine that uses them with sdpa in bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import hf_paged_attn  # noqa: F401  (registers "paged")
+from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
+from hf_paged_attn.runtime import fp32_matmuls
+from hf_paged_attn_tools.testing import compare_greedy, load_pair, ragged_prompts, reference_greedy
+
+CPU = torch.device("cpu")
+
+
+def layer(bias: bool = True, seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(96, 48, bias=bias).to(torch.bfloat16)
+
+
+def reference(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """float64 sums of the bf16 products, rounded to bf16 once: what a bf16 matmul computes."""
+    out = x.double() @ lin.weight.double().T
+    if lin.bias is not None:
+        out = out + lin.bias.double()
+    return out.to(torch.bfloat16)
+
+
+def assert_rounded(got: torch.Tensor, want: torch.Tensor) -> None:
+    """``got`` is at most one bf16 step from ``want`` (the exactly rounded result) everywhere."""
+    ulp = torch.finfo(torch.bfloat16).eps * want.float().abs().clamp_min(1e-3)
+    assert ((got.float() - want.float()).abs() <= ulp).all()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_rounding_is_a_bf16_matmuls(bias: bool) -> None:
+    lin = layer(bias)
+    x = torch.randn(5, 7, 96).to(torch.bfloat16)  # [batch, rows, in]
+    assert fp32_matmuls.install(lin) == 1 and fp32_matmuls.installed(lin) == 1
+    with torch.inference_mode():
+        got = lin(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (5, 7, 48)
+    want = reference(lin, x)
+    assert_rounded(got, want)
+    assert (got == want).float().mean() > 0.97  # and exactly rounded nearly everywhere
+
+
+def test_autograd_reaches_the_parameter_and_grad_mode_runs_the_layers_own_forward() -> None:
+    lin = layer()
+    fp32_matmuls.install(lin)
+    x = torch.randn(3, 96).to(torch.bfloat16)
+    lin(x).float().sum().backward()
+    assert lin.weight.grad is not None and lin.weight.grad.abs().sum() > 0
+    with torch.no_grad():  # not inference mode: the layer's own (bf16) forward, bit for bit
+        assert torch.equal(lin(x), nn.functional.linear(x, lin.weight, lin.bias))
+
+
+def test_a_changed_weight_is_copied_again() -> None:
+    lin = layer()
+    fp32_matmuls.install(lin)
+    x = torch.randn(4, 96).to(torch.bfloat16)
+    with torch.inference_mode():
+        before = lin(x)
+    with torch.no_grad():
+        lin.weight.mul_(2)  # in place: the version counter moves
+    with torch.inference_mode():
+        after = lin(x)
+    assert not torch.equal(before, after)
+    assert_rounded(after, reference(lin, x))
+    lin.weight = nn.Parameter(torch.zeros_like(lin.weight))  # replaced: the data pointer moves
+    with torch.inference_mode():
+        assert torch.equal(lin(x), lin.bias.expand(4, 48))
+
+
+def test_only_half_precision_cpu_layers_without_a_forward_of_their_own() -> None:
+    model = nn.Sequential(layer(), nn.Linear(4, 4), layer(seed=1))
+    model[2].forward = lambda x: x  # e.g. accelerate's hook
+    assert fp32_matmuls.install(model) == 1
+    assert fp32_matmuls.ATTR in model[0].__dict__ and fp32_matmuls.ATTR not in model[1].__dict__
+    assert fp32_matmuls.install(model) == 1  # idempotent
+
+
+def test_config_switch() -> None:
+    with pytest.raises(ValueError, match=r"PagedConfig.fp32_matmuls must be None or a bool, got 'yes'"):
+        PagedConfig(fp32_matmuls="yes")
+    with pytest.raises(ValueError, match=r"fp32_matmuls=True is for models on the CPU; the model is on cuda"):
+        PagedConfig(kernel="torch", fp32_matmuls=True).resolved(torch.device("cuda"), torch.bfloat16)
+    assert PagedConfig(kernel="torch").resolved(torch.device("cuda"), torch.bfloat16).fp32_matmuls is False
+    assert PagedConfig(fp32_matmuls=True).resolved(CPU, torch.float32).fp32_matmuls is False  # nothing to do
+    assert PagedConfig(fp32_matmuls=True).resolved(CPU, torch.bfloat16).fp32_matmuls is True
+    assert PagedConfig(fp32_matmuls=False).resolved(CPU, torch.bfloat16).fp32_matmuls is False
+    lacks = not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert PagedConfig().resolved(CPU, torch.bfloat16).fp32_matmuls is lacks
+
+
+def test_engine_greedy_equals_sdpa_in_bf16(llama_dir) -> None:
+    ref, paged = load_pair(llama_dir, dtype=torch.bfloat16)
+    prompts = ragged_prompts(4, 3, 30, seed=5)
+    expected = [reference_greedy(ref, p, 10) for p in prompts]
+    config = PagedConfig(num_blocks=64, compile=False, fp32_matmuls=True)
+    with ContinuousBatchingEngine(paged, config) as engine:
+        assert engine.config.fp32_matmuls is True
+        got = [o.output_ids for o in engine.generate(prompts, max_new_tokens=10)]
+    assert fp32_matmuls.installed(paged) > 0
+    assert not compare_greedy(ref, prompts, expected, got, tie_tolerance=0.05)
+
+
+def test_compiled_engine_takes_the_copies_in_one_graph(llama_dir) -> None:
+    """The compiled forward traces the float32 linears without a graph break (one graph) and keeps
+    greedy parity with sdpa in bf16."""
+    from hf_paged_attn.runtime.compiled import CompiledExecutor
+
+    ref, paged = load_pair(llama_dir, dtype=torch.bfloat16)
+    prompts = ragged_prompts(4, 3, 30, seed=6)
+    expected = [reference_greedy(ref, p, 10) for p in prompts]
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    with ContinuousBatchingEngine(paged, PagedConfig(num_blocks=64, compile=True, fp32_matmuls=True)) as engine:
+        assert isinstance(engine.executor, CompiledExecutor)
+        assert engine.executor.wait(timeout=600) and engine.executor.failed is None
+        got = [o.output_ids for o in engine.generate(prompts, max_new_tokens=10)]
+        assert engine.executor.num_compiled_steps > 5
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1
+    assert not compare_greedy(ref, prompts, expected, got, tie_tolerance=0.05)
