@@ -25,6 +25,7 @@ switches it (``None``: on where the CPU lacks the hardware, which ``hardware_lac
 
 from __future__ import annotations
 
+import operator
 import types
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ from torch import nn
 
 HALF = (torch.bfloat16, torch.float16)
 ATTR = "_hf_paged_fp32"  # where a layer keeps its copies
+_VERSION = operator.attrgetter("_version")  # torch's version counter (bumped by every in-place write)
 
 
 def hardware_lacks(dtype: torch.dtype | None) -> bool:
@@ -58,10 +60,10 @@ class Copies:
     def of(cls, layer: nn.Linear) -> Copies:
         with torch.no_grad():
             bias = None if layer.bias is None else layer.bias.detach().float()
-            return cls(layer.weight.detach().float(), bias, layer.weight._version, layer.weight.data_ptr())
+            return cls(layer.weight.detach().float(), bias, _VERSION(layer.weight), layer.weight.data_ptr())
 
     def current(self, layer: nn.Linear) -> bool:
-        return layer.weight._version == self.version and layer.weight.data_ptr() == self.pointer
+        return _VERSION(layer.weight) == self.version and layer.weight.data_ptr() == self.pointer
 
 
 def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
