@@ -125,3 +125,21 @@ def test_compiled_engine_takes_the_copies_in_one_graph(llama_dir) -> None:
         assert engine.executor.num_compiled_steps > 5
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1
     assert not compare_greedy(ref, prompts, expected, got, tie_tolerance=0.05)
+
+
+def test_a_draft_model_follows_its_target(llama_dir) -> None:
+    """A draft model of a target with float32 linears gets them too, and speculation keeps the
+    engine's own greedy output."""
+    from hf_paged_attn import SpeculativeConfig
+
+    _, target = load_pair(llama_dir, dtype=torch.bfloat16)
+    _, draft = load_pair(llama_dir, dtype=torch.bfloat16)
+    prompts = ragged_prompts(3, 4, 20, seed=7)
+    plain = PagedConfig(num_blocks=64, compile=False, fp32_matmuls=True)
+    with ContinuousBatchingEngine(target, plain) as engine:
+        expected = [o.output_ids for o in engine.generate(prompts, max_new_tokens=8)]
+    config = plain.replace(speculative=SpeculativeConfig(draft_model=draft, num_speculative_tokens=2, adaptive=False))
+    with ContinuousBatchingEngine(target, config) as engine:
+        got = [o.output_ids for o in engine.generate(prompts, max_new_tokens=8)]
+    assert fp32_matmuls.installed(draft) == fp32_matmuls.installed(target) > 0
+    assert got == expected

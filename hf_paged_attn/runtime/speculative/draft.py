@@ -34,6 +34,7 @@ from ...core.layers import LayerKinds
 from ...core.request import Request
 from ...core.scheduler import ScheduledRequest
 from ...kernels.base import AttentionBackend
+from .. import fp32_matmuls
 from ..executor import LocalExecutor
 from ..placement import input_device
 from ..sampling import draw
@@ -115,6 +116,8 @@ class DraftProposer:
         # One table for all the draft's layers (the target's): a sliding draft layer masks by its window.
         self.layers = LayerKinds.from_config(model.config, share_pages=False)
         self.cache = PagedAttentionCache(model.config, num_pages, block_size, self.layers)
+        if fp32_matmuls.installed(target):  # the target computes its linears in float32: so does its draft
+            fp32_matmuls.install(model)
         self.executor = LocalExecutor(model, self.cache, backend)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
