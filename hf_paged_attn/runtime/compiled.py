@@ -64,7 +64,6 @@ from ..attention.forward import ForwardContext
 from ..attention.function import COMPILED, COMPILED_STEP, CompiledStep
 from ..attention.step import StepMetadata
 from ..core.layers import LayerKinds
-from . import fp32_matmuls
 
 if TYPE_CHECKING:
     from .executor import LocalExecutor
@@ -287,7 +286,6 @@ def run_graph(
     skip = SKIP_GUARDS and compiled.ready.is_set()
     stance = torch.compiler.set_stance("default", skip_guard_eval_unsafe=True) if skip else contextlib.nullcontext()
     token = COMPILED_STEP.set(step)
-    fp32_matmuls.IN_ENGINE_GRAPH = True  # a trace now is the engine's (half-precision linears in float32)
     try:
         with torch._inductor.config.patch(INDUCTOR_OPTIONS):
             try:
@@ -299,7 +297,6 @@ def run_graph(
                 logger.info("hf_paged_attn: a step needs another graph (%s)", exc)
                 return compiled.forward(input_ids, position_ids, logits_indices)
     finally:
-        fp32_matmuls.IN_ENGINE_GRAPH = False
         COMPILED_STEP.reset(token)
 
 

@@ -65,12 +65,13 @@ class PagedConfig:
             another device raises ValueError; ``False``: eager forwards. A failed compile is logged
             and the engine runs eagerly.
         fp32_matmuls: a bfloat16 / float16 model's linear layers computed in float32 on float32
-            copies of their weights (``fp32_matmuls.py``: the same rounding as a half-precision matmul,
-            whose products are exact in float32, at 2x the weights' memory), for CPUs that have no fast
-            half-precision matmul (no AVX-512 BF16 / AMX: torch's fallback there is ~7x slower than
-            its float32 sgemm). ``None`` (the default): on for a half-precision model on such a CPU;
-            ``True``: on for any half-precision model on the CPU (``True`` on another device raises
-            ValueError); ``False``: off.
+            copies of their weights (``fp32_matmuls.py``: the same rounding as a half-precision
+            matmul, whose products are exact in float32; the copies take 4 bytes per weight and stay
+            on the model), for CPUs that have no fast half-precision matmul (no AVX-512 BF16 / AMX:
+            torch's fallback there is ~7x slower than its float32 sgemm). ``None`` (the default): on
+            for a half-precision model on such a CPU; ``True``: on for any half-precision model on
+            the CPU (``True`` on another device raises ValueError); ``False``: off (an earlier
+            engine's copies are removed).
         speculative: speculative decoding for every request that can speculate
             (``SpeculativeConfig``: prompt lookup, or a draft model); None: only requests whose own
             generation config sets ``prompt_lookup_num_tokens`` speculate.

@@ -111,6 +111,8 @@ class LocalLauncher:
     ) -> CacheSize:
         if config.fp32_matmuls:  # before sizing the cache from free memory: the copies take some
             fp32_matmuls.install(model)
+        else:  # an earlier engine's copies go (their memory too)
+            fp32_matmuls.uninstall(model)
         num_blocks = num_blocks or fitting_blocks(model, config, layers)
         # Graphs' padding rows write a scratch page that no request ever holds.
         return CacheSize(num_blocks, num_blocks + int(self._graphs(model, config)))

@@ -13,20 +13,26 @@ and a forward that uses it, taken only where it cannot change what the model mea
 
 - under ``torch.inference_mode`` (the engine's forwards), never while autograd records (training
   through the layer needs the real parameter);
-- with the parameter still on the CPU and unchanged since the copy was made (its version counter
-  and data pointer; a changed one is copied again at the next call, eagerly). The engine's compiled
-  forward skips those checks (``IN_ENGINE_GRAPH``): it freezes the copies with the other weights and
-  runs eagerly once any parameter changes (``compiled.CompiledModel.stale``).
+- with the input in the layer's dtype, the parameters still on the CPU and unchanged since the copy
+  was made (their version counters and data pointers; a changed one is copied again at the next
+  call, eagerly; a write through ``.data`` changes neither, so after one, e.g. a LoRA merge,
+  ``uninstall`` the copies). Under torch.compile the layer takes the copies whenever autograd does not
+  record (dynamo can't trace the inference-mode check): the engine's compiled forward freezes them
+  with the other weights and runs eagerly once any parameter changes
+  (``compiled.CompiledModel.stale``); a compile of your own under ``no_grad`` takes them too.
 
-Anything else runs the layer's own forward. The copies cost 4 bytes per weight (2x a bf16 model's
-weights); they are made before the cache is sized from free memory. ``PagedConfig(fp32_matmuls=)``
-switches it (``None``: on where the CPU lacks the hardware, which ``hardware_lacks`` says).
+Anything else runs the layer's own forward, and so does every layer that is not a plain ``nn.Linear``
+(a subclass with its own forward, a quantized tensor subclass). The copies stay on the model once an
+engine made them (later engines reuse them; ``PagedConfig(fp32_matmuls=False)`` or ``uninstall``
+removes them) and cost 4 bytes per weight, 3x a bf16 model's weights in all; they are made before the
+cache is sized from free memory. ``PagedConfig(fp32_matmuls=)`` switches it (``None``: on where the CPU
+lacks the hardware, which ``hardware_lacks`` says).
 """
 
 from __future__ import annotations
 
+import functools
 import operator
-import types
 from dataclasses import dataclass
 
 import torch
@@ -47,59 +53,83 @@ def hardware_lacks(dtype: torch.dtype | None) -> bool:
     return False
 
 
+def _identity(tensor: torch.Tensor | None) -> tuple[int, int]:
+    """(version counter, data pointer) of a parameter: an in-place write bumps the first, a replaced
+    parameter or ``.data`` moves the second (a write through ``.data`` does neither)."""
+    return (-1, 0) if tensor is None else (_VERSION(tensor), tensor.data_ptr())
+
+
 @dataclass(slots=True)
 class Copies:
-    """A layer's float32 weight and bias, and the parameter's identity when they were made."""
+    """A layer's float32 weight and bias, and the parameters' identities when they were made."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
-    version: int
-    pointer: int
+    made_of: tuple[tuple[int, int], tuple[int, int]]
 
     @classmethod
     def of(cls, layer: nn.Linear) -> Copies:
         with torch.no_grad():
             bias = None if layer.bias is None else layer.bias.detach().float()
-            return cls(layer.weight.detach().float(), bias, _VERSION(layer.weight), layer.weight.data_ptr())
+            return cls(layer.weight.detach().float(), bias, (_identity(layer.weight), _identity(layer.bias)))
 
     def current(self, layer: nn.Linear) -> bool:
-        return _VERSION(layer.weight) == self.version and layer.weight.data_ptr() == self.pointer
+        return self.made_of == (_identity(layer.weight), _identity(layer.bias))
 
 
 def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``self``'s forward, through its float32 copies where that cannot change the result's meaning
     (the module's docstring); ``x`` [..., in_features] -> [..., out_features] in x's dtype."""
     copies: Copies = getattr(self, ATTR)
-    if torch.compiler.is_compiling():  # dynamo can't trace the inference-mode check: ask who compiles
-        if not IN_ENGINE_GRAPH:
-            return type(self).forward(self, x)
-    elif not torch.is_inference_mode_enabled() or self.weight.device.type != "cpu":
-        return type(self).forward(self, x)
-    elif not copies.current(self):  # a changed weight: copy it again
+    if x.dtype != self.weight.dtype or self.weight.device.type != "cpu":  # the layer's own (and its errors)
+        return nn.Linear.forward(self, x)
+    if torch.compiler.is_compiling():  # dynamo can't trace the inference-mode check; grad mode it can
+        if torch.is_grad_enabled():
+            return nn.Linear.forward(self, x)
+    elif not torch.is_inference_mode_enabled():
+        return nn.Linear.forward(self, x)
+    elif not copies.current(self):  # a changed weight or bias: copy it again
         copies = Copies.of(self)
         setattr(self, ATTR, copies)
     return F.linear(x.float(), copies.weight, copies.bias).to(x.dtype)
 
 
-# True while the engine's compiled forward (``compiled.run_graph``, always in inference mode) runs: a
-# graph dynamo traces then takes the copies (frozen with the other weights); any other compile of the
-# model (a user's own, perhaps for training) the layers' own forwards.
-IN_ENGINE_GRAPH = False
+def _plain(layer: nn.Module) -> bool:
+    """An ``nn.Linear`` whose forward is nn.Linear's (not a subclass's own: a BitNet layer quantizes its
+    input) on plain half-precision CPU tensors (not a quantized tensor subclass)."""
+    if not isinstance(layer, nn.Linear) or type(layer).forward is not nn.Linear.forward:
+        return False
+    tensors = [t for t in (layer.weight, layer.bias) if t is not None]
+    return (layer.weight.dtype in HALF and layer.weight.device.type == "cpu"
+            and all(type(t) in (torch.Tensor, nn.Parameter) for t in tensors))  # fmt: skip
 
 
 def install(model: nn.Module) -> int:
-    """Give every half-precision CPU ``nn.Linear`` of ``model`` its float32 copies and forward
+    """Give every plain half-precision CPU ``nn.Linear`` of ``model`` its float32 copies and forward
     (idempotent); returns how many layers have them."""
     count = 0
     for layer in model.modules():
-        if not isinstance(layer, nn.Linear) or layer.weight.dtype not in HALF or layer.weight.device.type != "cpu":
+        if not _plain(layer):
             continue
         if "forward" in layer.__dict__ and ATTR not in layer.__dict__:  # someone else's forward (accelerate's hooks)
             continue
         if ATTR not in layer.__dict__:
             setattr(layer, ATTR, Copies.of(layer))
-            layer.forward = types.MethodType(_forward, layer)  # an instance attribute: other models keep theirs
+            # an instance attribute (other models keep theirs); a partial, unlike a bound method, pickles
+            layer.forward = functools.partial(_forward, layer)
         count += 1
+    return count
+
+
+def uninstall(model: nn.Module) -> int:
+    """Remove the float32 copies and forwards ``install`` gave ``model``'s layers (their memory goes
+    back); returns how many layers had them."""
+    count = 0
+    for layer in model.modules():
+        if ATTR in layer.__dict__:
+            del layer.__dict__[ATTR]
+            layer.__dict__.pop("forward", None)
+            count += 1
     return count
 
 

@@ -74,12 +74,42 @@ def test_a_changed_weight_is_copied_again() -> None:
     lin.weight = nn.Parameter(torch.zeros_like(lin.weight))  # replaced: the data pointer moves
     with torch.inference_mode():
         assert torch.equal(lin(x), lin.bias.expand(4, 48))
+    with torch.no_grad():
+        lin.bias.add_(100)  # the bias alone changes
+    with torch.inference_mode():
+        assert torch.equal(lin(x), lin.bias.expand(4, 48))
 
 
-def test_only_half_precision_cpu_layers_without_a_forward_of_their_own() -> None:
-    model = nn.Sequential(layer(), nn.Linear(4, 4), layer(seed=1))
+def test_wrong_input_dtype_still_raises_and_uninstall_restores_the_layer() -> None:
+    lin = layer()
+    fp32_matmuls.install(lin)
+    with torch.inference_mode(), pytest.raises(RuntimeError):
+        lin(torch.randn(2, 96))  # float32 into a bf16 layer: the layer's own error, as without copies
+    assert fp32_matmuls.uninstall(lin) == 1 and fp32_matmuls.installed(lin) == 0
+    assert "forward" not in lin.__dict__ and fp32_matmuls.ATTR not in lin.__dict__
+
+
+def test_a_model_with_copies_pickles() -> None:
+    import pickle
+
+    lin = layer()
+    fp32_matmuls.install(lin)
+    x = torch.randn(3, 96).to(torch.bfloat16)
+    back = pickle.loads(pickle.dumps(lin))
+    with torch.inference_mode():
+        assert torch.equal(back(x), lin(x))
+    assert fp32_matmuls.installed(back) == 1
+
+
+class Doubled(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * super().forward(x)
+
+
+def test_only_plain_half_precision_cpu_layers_without_a_forward_of_their_own() -> None:
+    model = nn.Sequential(layer(), nn.Linear(4, 4), layer(seed=1), Doubled(96, 8).to(torch.bfloat16))
     model[2].forward = lambda x: x  # e.g. accelerate's hook
-    assert fp32_matmuls.install(model) == 1
+    assert fp32_matmuls.install(model) == 1  # not the float32 layer, the hooked one, nor the subclass
     assert fp32_matmuls.ATTR in model[0].__dict__ and fp32_matmuls.ATTR not in model[1].__dict__
     assert fp32_matmuls.install(model) == 1  # idempotent
 
