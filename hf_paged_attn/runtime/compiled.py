@@ -47,7 +47,6 @@ import atexit
 import contextlib
 import functools
 import logging
-import operator
 import os
 import threading
 import time
@@ -64,6 +63,7 @@ from ..attention.forward import ForwardContext
 from ..attention.function import COMPILED, COMPILED_STEP, CompiledStep
 from ..attention.step import StepMetadata
 from ..core.layers import LayerKinds
+from .weights import fingerprint
 
 if TYPE_CHECKING:
     from .executor import LocalExecutor
@@ -216,15 +216,6 @@ class CompiledModel:
         """Whether a weight changed since the compile froze them (an optimizer step, a loaded state
         dict, a replaced ``.data``): the graph would compute with the old values."""
         return fingerprint(self.tensors) != self.weights
-
-
-def fingerprint(tensors: list[torch.Tensor]) -> tuple[int, int]:
-    """(sum of version counters, sum of data pointers): every in-place write bumps a tensor's version,
-    a replaced ``.data`` moves its pointer. ~1 us a tensor, so cheap enough for every step."""
-    return sum(map(_VERSION, tensors)), sum(t.data_ptr() for t in tensors)
-
-
-_VERSION = operator.attrgetter("_version")  # torch's version counter (a name transformers also uses privately)
 
 
 _MODELS: weakref.WeakKeyDictionary[torch.nn.Module, CompiledModel] = weakref.WeakKeyDictionary()

@@ -32,16 +32,16 @@ lacks the hardware, which ``hardware_lacks`` says).
 from __future__ import annotations
 
 import functools
-import operator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .weights import fingerprint
+
 HALF = (torch.bfloat16, torch.float16)
 ATTR = "_hf_paged_fp32"  # where a layer keeps its copies
-_VERSION = operator.attrgetter("_version")  # torch's version counter (bumped by every in-place write)
 
 
 def hardware_lacks(dtype: torch.dtype | None) -> bool:
@@ -53,28 +53,22 @@ def hardware_lacks(dtype: torch.dtype | None) -> bool:
     return False
 
 
-def _identity(tensor: torch.Tensor | None) -> tuple[int, int]:
-    """(version counter, data pointer) of a parameter: an in-place write bumps the first, a replaced
-    parameter or ``.data`` moves the second (a write through ``.data`` does neither)."""
-    return (-1, 0) if tensor is None else (_VERSION(tensor), tensor.data_ptr())
-
-
 @dataclass(slots=True)
 class Copies:
     """A layer's float32 weight and bias, and the parameters' identities when they were made."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
-    made_of: tuple[tuple[int, int], tuple[int, int]]
+    made_of: tuple[int, int]  # the parameters' ``fingerprint`` when the copies were made
 
     @classmethod
     def of(cls, layer: nn.Linear) -> Copies:
         with torch.no_grad():
             bias = None if layer.bias is None else layer.bias.detach().float()
-            return cls(layer.weight.detach().float(), bias, (_identity(layer.weight), _identity(layer.bias)))
+            return cls(layer.weight.detach().float(), bias, fingerprint((layer.weight, layer.bias)))
 
     def current(self, layer: nn.Linear) -> bool:
-        return self.made_of == (_identity(layer.weight), _identity(layer.bias))
+        return self.made_of == fingerprint((layer.weight, layer.bias))
 
 
 def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -109,11 +103,9 @@ def install(model: nn.Module) -> int:
     (idempotent); returns how many layers have them."""
     count = 0
     for layer in model.modules():
-        if not _plain(layer):
-            continue
-        if "forward" in layer.__dict__ and ATTR not in layer.__dict__:  # someone else's forward (accelerate's hooks)
-            continue
         if ATTR not in layer.__dict__:
+            if not _plain(layer) or "forward" in layer.__dict__:  # "forward": someone else's (accelerate's hooks)
+                continue
             setattr(layer, ATTR, Copies.of(layer))
             # an instance attribute (other models keep theirs); a partial, unlike a bound method, pickles
             layer.forward = functools.partial(_forward, layer)
