@@ -419,7 +419,7 @@ def _completion_logprobs(entries: list[TokenInfo], shift: int, prompt: Sequence[
     tokens' texts (equal unless a character is split across tokens, each piece shown as U+FFFD)."""
     both = [*prompt, *entries]
     if prompt:  # offsets count the tokens' own texts throughout (vLLM's), so they never run backwards
-        shift = prompt[-1].offset + len(prompt[-1].text)
+        shift = prompt[-1].end
     return {
         "tokens": [e.text for e in both],
         "token_logprobs": [e.logprob for e in both],

@@ -56,6 +56,11 @@ class TokenInfo:
     offset: int  # where it starts in the choice's text (a prompt token: in the echoed prompt)
     top: list[tuple[str, float]] | None  # the k best alternatives, best first
 
+    @property
+    def end(self) -> int:
+        """Where the text after this token starts (its offset plus its own text's characters)."""
+        return self.offset + len(self.text)
+
 
 @dataclass
 class ChoiceEvent:
@@ -165,7 +170,7 @@ def _event(choice: Choice, out: Any, decode: Callable[[list[int]], str], echo_on
     if getattr(out, "prompt_logprobs", None) is not None and not choice.prompt_scored:
         choice.prompt_scored = True
         scored = _prompt_infos(out.prompt_ids, out.prompt_logprobs, decode)
-        choice.prompt_chars = scored[-1].offset + len(scored[-1].text)
+        choice.prompt_chars = scored[-1].end
     if echo_only:  # max_tokens=0: the one token the engine generated is not part of the answer
         choice.finish_reason = "length"
         return ChoiceEvent(choice, "", finish_reason="length", prompt_logprobs=scored)
