@@ -1,13 +1,19 @@
 """Environment defaults for the command-line entry points, applied before torch loads.
 
-torch's OpenMP runtime (libgomp) reads ``OMP_WAIT_POLICY`` once, when torch is imported. Its default
-lets idle worker threads spin; on a shared or oversubscribed CPU the spinning threads steal the cores
-the work needs, and the demo's run time swings from 0.5 s to 20 s between runs. ``PASSIVE`` makes them
-sleep instead, which costs nearly nothing on a dedicated machine.
+torch's OpenMP runtime (libgomp) reads ``OMP_WAIT_POLICY`` and ``GOMP_SPINCOUNT`` once, when torch is
+imported. Its default lets idle worker threads spin for 300,000 rounds (about a millisecond here) before
+they sleep; on a shared or oversubscribed CPU the spinning threads steal the cores the work needs, and
+the demo's run time swung from 0.5 s to 20 s between runs. ``OMP_WAIT_POLICY=PASSIVE`` makes them sleep
+at once, but then waking the second thread costs ~50 us for each of a step's many short parallel
+regions, more than it saves on a small model. The commands set ``GOMP_SPINCOUNT=3000`` instead: a
+thread spins for the gaps between a step's regions and sleeps between steps. On a quiet 2-core machine
+that ran the vs-vLLM rows 1.2-1.4x faster than ``PASSIVE``; when another process holds a core the
+engine's thread tuner (``runtime/threads.py``) runs steps on one thread, and the two were within 7%
+(benchmarks/README.md, "Adaptive threads").
 
 Only the commands set it (``hf-paged-attn ...``, ``python -m hf_paged_attn.demo`` / ``.bench`` /
-``.cli``), and only when the user has not: ``hf_paged_attn/__init__.py`` imports this module, which
-applies them, before it imports anything that imports torch. A library import leaves the
+``.cli``), and only when the user has set neither variable: ``hf_paged_attn/__init__.py`` imports this
+module, which applies them, before it imports anything that imports torch. A library import leaves the
 environment alone (by then the caller has usually imported torch, and the process is theirs).
 """
 
@@ -18,7 +24,9 @@ import sys
 from collections.abc import MutableMapping, Sequence
 from pathlib import PurePath
 
-CLI_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+CLI_DEFAULTS = {"GOMP_SPINCOUNT": "3000"}
+# Set together or not at all: a user's wait policy or spin count is a choice about the same thing.
+OPENMP_WAITING = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 ENTRY_MODULES = frozenset(
     {"hf_paged_attn.cli", "hf_paged_attn.demo", "hf_paged_attn.serve", "hf_paged_attn_tools.bench"}
 )
@@ -63,12 +71,15 @@ def is_cli(orig_argv: Sequence[str]) -> bool:
 def apply_cli_defaults(
     orig_argv: Sequence[str] | None = None, environ: MutableMapping[str, str] | None = None
 ) -> dict[str, str]:
-    """Set :data:`CLI_DEFAULTS` the user left unset (or empty) when running a command; returns what was set."""
+    """Set :data:`CLI_DEFAULTS` when running a command whose user set neither of ``OPENMP_WAITING`` (or
+    left them empty); returns what was set."""
     orig_argv = sys.orig_argv if orig_argv is None else orig_argv
     environ = os.environ if environ is None else environ
     if not is_cli(orig_argv):
         return {}
-    applied = {k: v for k, v in CLI_DEFAULTS.items() if not environ.get(k)}  # empty: OpenMP's default, not a choice
+    if any(environ.get(k) for k in OPENMP_WAITING):  # empty: OpenMP's default, not a choice
+        return {}
+    applied = dict(CLI_DEFAULTS)
     environ.update(applied)
     return applied
 

@@ -6,7 +6,8 @@
     hf-paged-attn serve --help              (needs the [serve] extra)
 
 Everything after the subcommand is passed to it unchanged: hf-paged-attn COMMAND --help.
-The command sets OMP_WAIT_POLICY=PASSIVE unless the environment already sets it (see the README).
+The command sets GOMP_SPINCOUNT=3000 (a short spin before OpenMP threads sleep) unless the environment
+sets OMP_WAIT_POLICY or GOMP_SPINCOUNT (see the README).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The hf-paged-attn command: help, forwarding, the serve extra, and OMP_WAIT_POLICY set before torch loads."""
+"""The hf-paged-attn command: help, forwarding, the serve extra, and OpenMP's waiting set before torch loads."""
 
 from __future__ import annotations
 
@@ -57,13 +57,15 @@ def test_is_cli(orig_argv, is_cli):
 def test_defaults_only_for_commands_and_the_user_wins():
     command = [PY, "-m", "hf_paged_attn.demo"]
     environ: dict[str, str] = {}
-    assert _env.apply_cli_defaults(command, environ) == {"OMP_WAIT_POLICY": "PASSIVE"}
-    assert environ == {"OMP_WAIT_POLICY": "PASSIVE"}
-    environ = {"OMP_WAIT_POLICY": "ACTIVE"}
-    assert _env.apply_cli_defaults(command, environ) == {}
-    assert environ == {"OMP_WAIT_POLICY": "ACTIVE"}
+    assert _env.apply_cli_defaults(command, environ) == {"GOMP_SPINCOUNT": "3000"}
+    assert environ == {"GOMP_SPINCOUNT": "3000"}
+    for choice in ({"OMP_WAIT_POLICY": "PASSIVE"}, {"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "0"}):
+        environ = dict(choice)
+        assert _env.apply_cli_defaults(command, environ) == {}
+        assert environ == choice
     environ = {"OMP_WAIT_POLICY": ""}  # empty is libgomp's default, not a choice
-    assert _env.apply_cli_defaults(command, environ) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert _env.apply_cli_defaults(command, environ) == {"GOMP_SPINCOUNT": "3000"}
+    assert environ == {"OMP_WAIT_POLICY": "", "GOMP_SPINCOUNT": "3000"}
     environ = {}
     assert _env.apply_cli_defaults([PY, "my_app.py"], environ) == {} and environ == {}
 
@@ -76,14 +78,14 @@ def test_env_is_the_first_import_of_the_package():
 
 
 def test_demo_sets_the_default_when_unset():
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     args = ["--num-prompts", "1", "--max-new-tokens", "1", "--no-progress"]
     result = subprocess.run(
         [sys.executable, "-m", "hf_paged_attn.demo", *args], env=env, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
-    assert "default environment: OMP_WAIT_POLICY=PASSIVE" in result.stdout
+    assert "default environment: GOMP_SPINCOUNT=3000" in result.stdout
     assert "Loading weights" not in result.stderr  # no progress-bar noise from transformers
 
 

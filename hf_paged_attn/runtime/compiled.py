@@ -36,7 +36,8 @@ the rest of the compile (lowering, C++ builds) runs beside the steps.
 What runs eagerly instead: every step until the graph is ready, the first step of an engine (it
 confirms each layer's window and runs the model checks, ``check_attention_call``, that the graph
 skips), beam search, and everything once the compile has failed (logged, as a failed CUDA graph
-capture is). The frozen weights are copies the graph holds: when any of the model's weights
+capture is). Where the weights are frozen (``inductor_options``: not on Intel CPUs) they are copies
+the graph holds; either way, when any of the model's weights
 changes after the compile (an optimizer step between generations, a loaded state dict; checked at
 every step through version counters, ``CompiledModel.stale``), the model runs eagerly from then on.
 """
@@ -73,10 +74,35 @@ logger = logging.getLogger(__name__)
 # Inductor options of the compiled forward, patched around every call (``torch.compile(options=)``
 # does not apply ``freezing``). ``freezing`` folds the weights into the graph as constants, so inductor
 # prepacks them for oneDNN: with a dynamic token count in fp32 too, where MKL's sgemm (what eager
-# fp32 runs, and inductor's choice for static shapes) is 2-3x slower on this AMD CPU
-# (benchmarks/README.md, "A compiled forward"). The packed weights can't be pickled, so inductor's disk
-# cache is bypassed: every process compiles once.
-INDUCTOR_OPTIONS: dict[str, object] = {"freezing": True}
+# fp32 runs) was 2-3x slower on the AMD EPYCs of benchmarks/README.md ("A compiled forward"; MKL does
+# not take its best AVX-512 code on them). On an Intel CPU MKL's sgemm was as fast as oneDNN's packed
+# weights, and bf16 as fast either way ("Adaptive threads and a short spin"), so there the weights stay
+# graph inputs: the packed weights can't be pickled, and without them inductor's disk cache
+# (``/tmp/torchinductor_$USER``) serves every later process, which then starts in seconds.
+# ``HF_PAGED_ATTN_FREEZE=1`` / ``0`` overrides the choice.
+FREEZE_ENV = "HF_PAGED_ATTN_FREEZE"
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor id (``GenuineIntel``, ``AuthenticAMD``, ...; "" where /proc/cpuinfo does not say)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def inductor_options() -> dict[str, object]:
+    """The compiled forward's inductor options: ``freezing`` except on Intel CPUs (see above)."""
+    override = os.environ.get(FREEZE_ENV, "")
+    freeze = override != "0" if override else cpu_vendor() != "GenuineIntel"
+    return {"freezing": freeze}
+
+
+INDUCTOR_OPTIONS: dict[str, object] = inductor_options()
 WARMUP_ROWS = 16  # the compile's example step (oneDNN packs the weights for about this many rows)
 RECOMPILE_LIMIT = 64  # dynamo's graphs per code object: every model compiles the same function
 SKIP_GUARDS = os.environ.get("HF_PAGED_ATTN_SKIP_GUARDS", "1") != "0"
@@ -171,13 +197,13 @@ class CompiledModel:
     num_eager_steps: int = 0  # steps run eagerly before the graph was ready, by every engine on the model
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def start(self, device: torch.device) -> None:
-        """Compile in the background, once (later calls do nothing)."""
+    def start(self, device: torch.device, num_threads: int | None = None) -> None:
+        """Compile in the background, once (later calls do nothing), with ``num_threads`` (default the
+        caller's: inductor's kernels take the compiling thread's count, not a new thread's default)."""
         with self.lock:
             if self.thread is not None:
                 return
-            # inductor's kernels take the compiling thread's thread count: the caller's, not a new thread's default
-            args = (device, torch.get_num_threads())
+            args = (device, num_threads or torch.get_num_threads())
             self.weights = fingerprint(self.tensors)
             guard_fx_tracing()  # before the thread can trace
             self.thread = threading.Thread(target=self._compile, args=args, name="hf_paged_attn-compile", daemon=True)
@@ -314,6 +340,14 @@ class CompiledExecutor:
         self.compiled = compiled_model(eager.model, layers.windows)
         self.num_compiled_steps = 0
         self.num_padded_steps = 0
+        # The engine's thread count: a step may run with fewer (``threads.ThreadTunedExecutor``), and
+        # the compile it starts must not take that.
+        self.num_threads = torch.get_num_threads()
+
+    @property
+    def graph_ready(self) -> bool:
+        """Whether steps now run through the compiled graph (its compile is done and did not fail)."""
+        return self.compiled is not None and self.compiled.ready.is_set() and self.compiled.failed is None
 
     @property
     def failed(self) -> str | None:
@@ -323,7 +357,7 @@ class CompiledExecutor:
         """Start the compile if it has not started, and wait for it; True when the graph is ready."""
         if self.compiled is None:
             return False
-        self.compiled.start(next(self.eager.model.parameters()).device)
+        self.compiled.start(next(self.eager.model.parameters()).device, self.num_threads)
         self.compiled.ready.wait(timeout)
         return self.compiled.ready.is_set() and self.compiled.failed is None
 
@@ -334,7 +368,7 @@ class CompiledExecutor:
         if not self.compiled.ready.is_set():
             self.compiled.num_eager_steps += 1
             if self.compiled.num_eager_steps >= COMPILE_AFTER_STEPS:  # a run long enough to pay for it
-                self.compiled.start(step.input_ids.device)
+                self.compiled.start(step.input_ids.device, self.num_threads)
             return self._eager(step)
         if self.compiled.stale():
             self.compiled.failed = "the model's weights changed after its compile froze them"

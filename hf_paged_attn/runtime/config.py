@@ -57,7 +57,8 @@ class PagedConfig:
             over several devices always run eagerly.
         compile: run the model's forward through ``torch.compile`` (inductor, ``compiled.py``): one
             graph for every step size, the paged attention an opaque op in it, weights prepacked for
-            oneDNN. The first step of a model compiles (tens of seconds on a small CPU, logged;
+            oneDNN on AMD CPUs (graph inputs on Intel ones, where inductor's disk cache then serves
+            later processes). The first step of a model compiles (tens of seconds on a small CPU, logged;
             inductor's disk cache shortens later processes); every later engine on the same model
             reuses it. ``None`` (the default): on for a model on the CPU when a C++ compiler is
             found (where it was measured to win: benchmarks/README.md) and ``$HF_PAGED_ATTN_COMPILE``
@@ -72,6 +73,12 @@ class PagedConfig:
             for a half-precision model on such a CPU; ``True``: on for any half-precision model on
             the CPU (``True`` on another device raises ValueError); ``False``: off (an earlier
             engine's copies are removed).
+        adaptive_threads: each CPU step runs with 1 thread or all of torch's, whichever ran steps
+            of its size faster, timed as the engine runs (``threads.py``: on a small model, or when
+            another process holds a core, waking a second thread for every op costs more than it
+            saves). ``None`` (the default): on for a model on the CPU, off elsewhere; ``True`` on another
+            device raises ValueError; ``False``: every step uses torch's thread count. Nothing changes
+            with one thread (``torch.get_num_threads() == 1``).
         speculative: speculative decoding for every request that can speculate
             (``SpeculativeConfig``: prompt lookup, or a draft model); None: only requests whose own
             generation config sets ``prompt_lookup_num_tokens`` speculate.
@@ -91,6 +98,7 @@ class PagedConfig:
     cuda_graphs: bool | None = None
     compile: bool | None = None
     fp32_matmuls: bool | None = None
+    adaptive_threads: bool | None = None
     speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
@@ -107,6 +115,8 @@ class PagedConfig:
             raise ValueError(f"PagedConfig.compile must be None or a bool, got {self.compile!r}")
         if self.fp32_matmuls is not None and not isinstance(self.fp32_matmuls, bool):
             raise ValueError(f"PagedConfig.fp32_matmuls must be None or a bool, got {self.fp32_matmuls!r}")
+        if self.adaptive_threads is not None and not isinstance(self.adaptive_threads, bool):
+            raise ValueError(f"PagedConfig.adaptive_threads must be None or a bool, got {self.adaptive_threads!r}")
         if self.scheduling_policy not in POLICIES:
             raise ValueError(
                 f"PagedConfig.scheduling_policy must be one of {tuple(POLICIES)}, got {self.scheduling_policy!r}"
@@ -146,7 +156,8 @@ class PagedConfig:
         """This config made concrete for a model on ``device`` in ``dtype`` (``sinks``: with attention
         sinks): ``kernel="auto"`` becomes the backend that will run, then ``block_size=None`` that
         backend's size, then ``cuda_graphs=None`` whether graphs can run, ``compile=None`` whether
-        the forward compiles and ``fp32_matmuls=None`` whether half-precision matmuls run in float32."""
+        the forward compiles, ``fp32_matmuls=None`` whether half-precision matmuls run in float32 and
+        ``adaptive_threads=None`` whether steps choose their thread count."""
         kernel = resolve_kernel(self.kernel, device, self.block_size, dtype, sinks)
         backend = BACKENDS[kernel]
         block_size = self.block_size or backend.default_block_size(device)
@@ -174,8 +185,14 @@ class PagedConfig:
         if fp32 is None:
             fp32 = device.type == "cpu" and fp32_matmuls.hardware_lacks(dtype)
         fp32 = fp32 and (dtype is None or dtype in fp32_matmuls.HALF)  # nothing to do for a float32 model
+        if self.adaptive_threads and device.type != "cpu":
+            raise ValueError(
+                f"PagedConfig.adaptive_threads=True is for models on the CPU; the model is on {device.type}. "
+                "Leave adaptive_threads=None to adapt them where it applies"
+            )
+        adaptive = device.type == "cpu" if self.adaptive_threads is None else self.adaptive_threads
         return self.replace(kernel=kernel, block_size=block_size, cuda_graphs=cuda_graphs, compile=compile_,
-                            fp32_matmuls=fp32)  # fmt: skip
+                            fp32_matmuls=fp32, adaptive_threads=adaptive)  # fmt: skip
 
 
 COMPILE_ENV = "HF_PAGED_ATTN_COMPILE"  # "0": ``compile=None`` means off (the test suite sets it)

@@ -4,6 +4,8 @@ and gets the sampled rows' logits back; it never knows how the forward ran.
 - ``LocalExecutor``: the model's forward in this process, eagerly.
 - ``cuda_graphs.CudaGraphExecutor``: decode steps replayed from CUDA graphs, the rest eagerly.
 - ``compiled.CompiledExecutor``: the forward through ``torch.compile`` (on the CPU).
+- ``threads.ThreadTunedExecutor``: another executor's steps, each with the thread count that ran
+  steps of its size faster (on the CPU).
 - ``parallel.TensorParallelExecutor``: rank 0 broadcasts the step, every rank runs its shard.
 
 A ``Launcher`` sets an engine up for one kind of execution: it sizes the cache (the ranks of a
@@ -130,13 +132,24 @@ class LocalLauncher:
         if self._compiled(model, config):
             from .compiled import CompiledExecutor
 
-            return CompiledExecutor(eager, layers)  # eager until its background compile is done
+            return self._threads(CompiledExecutor(eager, layers), model, config)  # eager until compiled
         if not self._graphs(model, config):
-            return eager
+            return self._threads(eager, model, config)
         from .cuda_graphs import CudaGraphExecutor
 
         max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         return CudaGraphExecutor(eager, layers, config, scratch_block=size.num_blocks, max_positions=max_positions)
+
+    @staticmethod
+    def _threads(executor: Executor, model: torch.nn.Module, config: PagedConfig) -> Executor:
+        """``executor`` with each step's thread count adapted (``threads.py``), where it applies: on
+        in the config, every layer on the CPU, more than one thread."""
+        on_cpu = {d.type for d in layer_devices(model)} == {"cpu"}
+        if not config.adaptive_threads or torch.get_num_threads() < 2 or not on_cpu:
+            return executor
+        from .threads import ThreadTunedExecutor
+
+        return ThreadTunedExecutor(executor, torch.get_num_threads())
 
     @staticmethod
     def _compiled(model: torch.nn.Module, config: PagedConfig) -> bool:

@@ -78,10 +78,11 @@ def build_workload(args: argparse.Namespace) -> Workload:
 def run(argv: list[str] | None = None, prog: str = PROG) -> dict[str, Any]:
     """Run the benchmark described by ``argv``; write and return the report."""
     args = parse_args(argv, prog)
-    if args.threads > 1 and "OMP_WAIT_POLICY" not in os.environ:
+    if args.threads > 1 and not any(os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")):
         print(
-            "note: OMP_WAIT_POLICY is unset; on a shared or oversubscribed CPU, OpenMP's spinning threads can make "
-            "every forward 10x slower. Set OMP_WAIT_POLICY=PASSIVE in the environment (before Python starts).",
+            "note: OMP_WAIT_POLICY and GOMP_SPINCOUNT are unset; on a shared or oversubscribed CPU, OpenMP's "
+            "spinning threads can make every forward 10x slower. Set OMP_WAIT_POLICY=PASSIVE or GOMP_SPINCOUNT=3000 "
+            "in the environment (before Python starts).",
             file=sys.stderr,
         )
     work = build_workload(args)

@@ -1,0 +1,139 @@
+"""Adaptive intra-op threads on the CPU: each step runs with the thread count (1 or torch's) that ran
+steps of its size faster, measured as the engine runs.
+
+Why: a step is many short parallel regions (every linear, every fused kernel of the compiled graph,
+every layer's attention). With ``OMP_WAIT_POLICY=PASSIVE`` the second thread sleeps between them, and
+waking it costs ~50 us a region on the 2-core VMs of benchmarks/README.md: more than it saves on a
+small model, while the 30M model's float32 prefill needs both cores. With a short spin
+(``GOMP_SPINCOUNT``) the second thread pays off on a quiet machine, and loses 1.5x when another
+process holds the core. No fixed rule covers every model, dtype, step size and machine load, so the
+engine measures: ``ThreadTuner`` times the steps of each size bucket with each candidate count,
+alternating, keeps the faster (median of ``TRIALS``), and measures again every ``REMEASURE_STEPS``
+steps of the bucket, since the machine's load changes.
+
+``ThreadTunedExecutor`` wraps the engine's executor (the seam of ``executor.py``): the chosen count
+holds for the step's forward only, and the caller's count is back after it, so nothing else in the
+process runs with a count it did not set. Inductor's kernels, oneDNN and the native attention kernel
+all read the count at call time (``#pragma omp parallel`` without ``num_threads``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..attention.step import StepMetadata
+
+TRIALS = 5  # timed steps per candidate before a bucket decides
+REMEASURE_STEPS = 256  # steps of a bucket after which it measures its candidates again
+
+
+def bucket(num_tokens: int) -> int:
+    """Steps of 2^(k-1) < tokens <= 2^k share bucket k: their cost per step is alike."""
+    return max(num_tokens - 1, 0).bit_length()
+
+
+@dataclass(slots=True)
+class Bucket:
+    """One step size's measurements: seconds per step of each candidate, and the choice."""
+
+    samples: dict[int, list[float]]
+    choice: int | None = None
+    steps_since_choice: int = 0
+
+
+@dataclass(slots=True)
+class ThreadTuner:
+    """Chooses, per step-size bucket, the fastest of ``candidates`` thread counts from timed steps."""
+
+    candidates: tuple[int, ...]
+    trials: int = TRIALS
+    remeasure_steps: int = REMEASURE_STEPS
+    buckets: dict[int, Bucket] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.candidates or any(not isinstance(c, int) or c < 1 for c in self.candidates):
+            raise ValueError(f"ThreadTuner candidates must be positive ints, got {self.candidates!r}")
+
+    def choose(self, num_tokens: int) -> int:
+        """The thread count for a step of ``num_tokens``: the candidate measured least (while the
+        bucket measures), else the bucket's choice."""
+        state = self._bucket(num_tokens)
+        if state.choice is not None:
+            return state.choice
+        return min(self.candidates, key=lambda c: len(state.samples[c]))  # alternates: ties go in order
+
+    def record(self, num_tokens: int, threads: int, seconds: float) -> None:
+        """A step of ``num_tokens`` ran ``seconds`` with ``threads``."""
+        state = self._bucket(num_tokens)
+        if state.choice is not None:
+            state.steps_since_choice += 1
+            if state.steps_since_choice >= self.remeasure_steps:  # the load may have changed: measure again
+                state.choice, state.steps_since_choice = None, 0
+                state.samples = {c: [] for c in self.candidates}
+            return
+        if threads in state.samples:
+            state.samples[threads].append(seconds)
+        if all(len(times) >= self.trials for times in state.samples.values()):
+            state.choice = min(self.candidates, key=lambda c: statistics.median(state.samples[c]))
+
+    def reset(self) -> None:
+        """Forget every measurement (the forward changed: e.g. the compiled graph took over)."""
+        self.buckets.clear()
+
+    def choices(self) -> dict[int, int]:
+        """Bucket -> chosen thread count, for the buckets that have decided (for stats and tests)."""
+        return {k: b.choice for k, b in sorted(self.buckets.items()) if b.choice is not None}
+
+    def _bucket(self, num_tokens: int) -> Bucket:
+        key = bucket(num_tokens)
+        state = self.buckets.get(key)
+        if state is None:
+            state = self.buckets[key] = Bucket({c: [] for c in self.candidates})
+        return state
+
+
+def candidates(max_threads: int) -> tuple[int, ...]:
+    """One thread against all of them (the two ends; counts between were not measured)."""
+    return (1,) if max_threads <= 1 else (1, max_threads)
+
+
+class ThreadTunedExecutor:
+    """``inner``'s steps, each with the thread count ``tuner`` chooses for its size; the caller's count
+    (``max_threads``, read when the engine is built) is restored after every step. When the inner
+    executor's ``graph_ready`` changes (a compiled forward replaced the eager one) the tuner starts over:
+    the eager steps' timings say nothing about the graph's."""
+
+    def __init__(self, inner: object, max_threads: int, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.inner = inner
+        self.max_threads = max_threads
+        self.tuner = ThreadTuner(candidates(max_threads))
+        self.clock = clock
+        self._phase: object = None
+
+    def __getattr__(self, name: str) -> object:  # the inner executor's extras (wait, compiled, eager, ...)
+        if name == "inner":  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def execute(self, step: StepMetadata) -> torch.Tensor:
+        phase = getattr(self.inner, "graph_ready", None)
+        if phase != self._phase:
+            self.tuner.reset()
+            self._phase = phase
+        threads = self.tuner.choose(step.num_tokens)
+        torch.set_num_threads(threads)
+        start = self.clock()
+        try:
+            logits = self.inner.execute(step)
+        finally:
+            torch.set_num_threads(self.max_threads)
+        self.tuner.record(step.num_tokens, threads, self.clock() - start)
+        return logits
+
+    def close(self) -> None:
+        self.inner.close()

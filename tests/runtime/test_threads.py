@@ -1,0 +1,137 @@
+"""Adaptive intra-op threads (``hf_paged_attn/runtime/threads.py``): the tuner measures every candidate
+of a step-size bucket alternately, keeps the faster median, measures again after ``remeasure_steps``
+and starts over on ``reset``; the executor runs each step with the chosen count, restores the caller's
+after it (a failing step too), starts over when the compiled graph takes over; the config switch; and
+greedy parity with sdpa of an engine whose steps run on one thread or two."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_paged_attn  # noqa: F401  (registers "paged")
+from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
+from hf_paged_attn.runtime.threads import ThreadTunedExecutor, ThreadTuner, bucket, candidates
+from hf_paged_attn_tools.testing import compare_greedy, load_pair, ragged_prompts, reference_greedy
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield 2
+    torch.set_num_threads(before)
+
+
+def test_buckets_are_powers_of_two() -> None:
+    assert [bucket(n) for n in (0, 1, 2, 3, 4, 5, 8, 9, 64, 65, 512)] == [0, 0, 1, 2, 2, 3, 3, 4, 6, 7, 9]
+    assert candidates(1) == (1,) and candidates(2) == (1, 2) and candidates(16) == (1, 16)
+
+
+def test_the_tuner_alternates_then_keeps_the_faster_median() -> None:
+    tuner = ThreadTuner((1, 2), trials=3, remeasure_steps=4)
+    cost = {1: [1.0, 9.0, 1.0], 2: [2.0, 2.0, 2.0]}  # one slow outlier on 1 thread: the median ignores it
+    seen = []
+    for i in range(6):
+        threads = tuner.choose(64)
+        seen.append(threads)
+        tuner.record(64, threads, cost[threads][i // 2])
+    assert seen == [1, 2, 1, 2, 1, 2]
+    assert tuner.choices() == {6: 1} and tuner.choose(64) == 1 and tuner.choose(33) == 1
+    assert tuner.choose(65) == 1 and tuner.choices() == {6: 1}  # another bucket measures on its own
+    tuner.record(65, 1, 5.0)
+    assert tuner.choose(65) == 2
+    for _ in range(4):  # after remeasure_steps steps on its choice, the bucket measures again
+        tuner.record(64, tuner.choose(64), 1.0)
+    assert 6 not in tuner.choices()
+    for threads, seconds in ((1, 3.0), (2, 1.0)) * 3:  # the load changed: now 2 threads win
+        tuner.record(64, threads, seconds)
+    assert tuner.choices()[6] == 2
+    tuner.reset()
+    assert tuner.choices() == {} and tuner.buckets == {}
+
+
+def test_the_tuner_refuses_bad_candidates() -> None:
+    for bad in ((), (0, 2), (1, 2.0)):
+        with pytest.raises(ValueError, match="candidates must be positive ints"):
+            ThreadTuner(bad)
+
+
+class Inner:
+    """A stand-in executor: records the thread count of each call; ``graph_ready`` is settable."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.threads: list[int] = []
+        self.fail = fail
+        self.graph_ready = False
+        self.closed = False
+
+    def execute(self, step: object) -> torch.Tensor:
+        self.threads.append(torch.get_num_threads())
+        if self.fail:
+            raise RuntimeError("step failed")
+        return torch.zeros(1, 4)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Step:
+    def __init__(self, num_tokens: int) -> None:
+        self.num_tokens = num_tokens
+
+
+def test_the_executor_sets_and_restores_the_count(two_threads) -> None:
+    ticks = iter(range(1000))
+    inner = Inner()
+    executor = ThreadTunedExecutor(inner, 2, clock=lambda: float(next(ticks)))
+    for _ in range(4):
+        executor.execute(Step(64))
+        assert torch.get_num_threads() == 2
+    assert inner.threads == [1, 2, 1, 2]
+    assert executor.graph_ready is False  # the inner executor's attributes show through
+    inner.graph_ready = True  # the compiled graph took over: the eager timings are forgotten
+    executor.execute(Step(64))
+    assert sum(len(s) for s in executor.tuner.buckets[6].samples.values()) == 1
+    executor.close()
+    assert inner.closed
+
+
+def test_a_failing_step_restores_the_count(two_threads) -> None:
+    executor = ThreadTunedExecutor(Inner(fail=True), 2)
+    with pytest.raises(RuntimeError, match="step failed"):
+        executor.execute(Step(8))
+    assert torch.get_num_threads() == 2
+
+
+def test_config() -> None:
+    with pytest.raises(ValueError, match="adaptive_threads must be None or a bool"):
+        PagedConfig(adaptive_threads=1)
+    with pytest.raises(ValueError, match="adaptive_threads=True is for models on the CPU; the model is on cuda"):
+        PagedConfig(kernel="torch", adaptive_threads=True).resolved(torch.device("cuda"))
+    assert PagedConfig().resolved(CPU).adaptive_threads is True
+    assert PagedConfig(kernel="torch").resolved(torch.device("cuda")).adaptive_threads is False
+    assert PagedConfig(adaptive_threads=False).resolved(CPU).adaptive_threads is False
+
+
+def test_engine_greedy_equals_sdpa_on_one_thread_or_two(llama_dir, two_threads) -> None:
+    """Every step runs on the count the tuner chose (both counts run while it measures), and the
+    tokens equal sdpa's; with one thread, or switched off, there is no tuner."""
+    ref, paged = load_pair(llama_dir)
+    prompts = ragged_prompts(6, 3, 30, seed=11)
+    expected = [reference_greedy(ref, p, 12) for p in prompts]
+    with ContinuousBatchingEngine(paged, PagedConfig(num_blocks=64, compile=False)) as engine:
+        assert isinstance(engine.executor, ThreadTunedExecutor)
+        got = [o.output_ids for o in engine.generate(prompts, max_new_tokens=12)]
+        tuner = engine.executor.tuner
+        assert all(len(b.samples[1]) and len(b.samples[2]) for b in tuner.buckets.values() if b.choice is not None)
+        assert tuner.choices()  # the decode bucket decided
+    assert torch.get_num_threads() == 2
+    assert not compare_greedy(ref, prompts, expected, got)
+    with ContinuousBatchingEngine(paged, PagedConfig(num_blocks=64, compile=False, adaptive_threads=False)) as engine:
+        assert not isinstance(engine.executor, ThreadTunedExecutor)
+    torch.set_num_threads(1)
+    with ContinuousBatchingEngine(paged, PagedConfig(num_blocks=64, compile=False)) as engine:
+        assert not isinstance(engine.executor, ThreadTunedExecutor)
