@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hf_paged_attn._env import OPENMP_WAITING
 from hf_paged_attn_tools.bench.report import build_report, default_out_dir, format_table, plot
 from hf_paged_attn_tools.bench.runner import DTYPE as LOAD_DTYPE
 from hf_paged_attn_tools.bench.runner import run_workload
@@ -78,7 +79,7 @@ def build_workload(args: argparse.Namespace) -> Workload:
 def run(argv: list[str] | None = None, prog: str = PROG) -> dict[str, Any]:
     """Run the benchmark described by ``argv``; write and return the report."""
     args = parse_args(argv, prog)
-    if args.threads > 1 and not any(os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")):
+    if args.threads > 1 and not any(os.environ.get(k) for k in OPENMP_WAITING):
         print(
             "note: OMP_WAIT_POLICY and GOMP_SPINCOUNT are unset; on a shared or oversubscribed CPU, OpenMP's "
             "spinning threads can make every forward 10x slower. Set OMP_WAIT_POLICY=PASSIVE or GOMP_SPINCOUNT=3000 "
