@@ -52,7 +52,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -197,21 +197,26 @@ class CompiledModel:
     num_eager_steps: int = 0  # steps run eagerly before the graph was ready, by every engine on the model
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def start(self, device: torch.device, num_threads: int | None = None) -> None:
-        """Compile in the background, once (later calls do nothing), with ``num_threads`` (default the
-        caller's: inductor's kernels take the compiling thread's count, not a new thread's default)."""
+    def start(self, device: torch.device, thread_counts: Sequence[int] = ()) -> None:
+        """Compile in the background, once (later calls do nothing), one graph for each of
+        ``thread_counts`` (default the caller's count). Dynamo guards on the thread count and inductor
+        builds each graph's kernels for its compiling thread's count, so every count a step will run
+        with (``threads.ThreadTunedExecutor``'s candidates) is compiled here, not on the engine's thread
+        at the first step that uses it."""
         with self.lock:
             if self.thread is not None:
                 return
-            args = (device, num_threads or torch.get_num_threads())
+            args = (device, tuple(thread_counts) or (torch.get_num_threads(),))
             self.weights = fingerprint(self.tensors)
             guard_fx_tracing()  # before the thread can trace
             self.thread = threading.Thread(target=self._compile, args=args, name="hf_paged_attn-compile", daemon=True)
             _COMPILING.add(self.thread)
             self.thread.start()
 
-    def _compile(self, device: torch.device, num_threads: int) -> None:
-        torch.set_num_threads(num_threads)
+    def _compile(self, device: torch.device, thread_counts: tuple[int, ...]) -> None:
+        # A new thread takes torch's process-wide count at its first query, which an engine step may
+        # have set to 1 for a moment: query first, then set (else the set could be undone by the init).
+        torch.get_num_threads()
         logger.warning(
             "hf_paged_attn: compiling the model's forward in the background (once per model and process; steps run "
             "eagerly meanwhile; PagedConfig(compile=False) turns it off)"
@@ -221,7 +226,9 @@ class CompiledModel:
             with torch.inference_mode():  # as the engine's steps are: dynamo guards on inference tensors
                 ids = torch.zeros(1, WARMUP_ROWS, dtype=torch.long, device=device)
                 positions, indices = ids.clone(), torch.arange(2, device=device)
-            run_graph(self, CompiledStep(None, None, self.modules, 0), ids, positions, indices)
+            for num_threads in thread_counts:
+                torch.set_num_threads(num_threads)
+                run_graph(self, CompiledStep(None, None, self.modules, 0), ids, positions, indices)
         except Exception as exc:
             self.failed = f"{type(exc).__name__}: {exc}"
             if _EXITING:
@@ -334,15 +341,15 @@ class CompiledExecutor:
     compile is done. ``num_compiled_steps`` counts the steps the graph ran; ``compiled.num_compiles``
     the model's compiles (one per model and process)."""
 
-    def __init__(self, eager: LocalExecutor, layers: LayerKinds) -> None:
+    def __init__(self, eager: LocalExecutor, layers: LayerKinds, thread_counts: Sequence[int] = ()) -> None:
         self.eager = eager
         self.layers = layers
         self.compiled = compiled_model(eager.model, layers.windows)
         self.num_compiled_steps = 0
         self.num_padded_steps = 0
-        # The engine's thread count: a step may run with fewer (``threads.ThreadTunedExecutor``), and
-        # the compile it starts must not take that.
-        self.num_threads = torch.get_num_threads()
+        # The thread counts its steps run with (``threads.ThreadTunedExecutor`` tries 1 and the engine's):
+        # the compile makes a graph for each, and takes none from a step that happens to run it.
+        self.thread_counts = tuple(thread_counts) or (torch.get_num_threads(),)
 
     @property
     def graph_ready(self) -> bool:
@@ -357,7 +364,7 @@ class CompiledExecutor:
         """Start the compile if it has not started, and wait for it; True when the graph is ready."""
         if self.compiled is None:
             return False
-        self.compiled.start(next(self.eager.model.parameters()).device, self.num_threads)
+        self.compiled.start(next(self.eager.model.parameters()).device, self.thread_counts)
         self.compiled.ready.wait(timeout)
         return self.compiled.ready.is_set() and self.compiled.failed is None
 
@@ -368,7 +375,7 @@ class CompiledExecutor:
         if not self.compiled.ready.is_set():
             self.compiled.num_eager_steps += 1
             if self.compiled.num_eager_steps >= COMPILE_AFTER_STEPS:  # a run long enough to pay for it
-                self.compiled.start(step.input_ids.device, self.num_threads)
+                self.compiled.start(step.input_ids.device, self.thread_counts)
             return self._eager(step)
         if self.compiled.stale():
             self.compiled.failed = "the model's weights changed after its compile froze them"

@@ -129,27 +129,35 @@ class LocalLauncher:
         size: CacheSize,
     ) -> Executor:
         eager = LocalExecutor(model, cache, backend)
+        counts = self._thread_counts(model, config)
         if self._compiled(model, config):
             from .compiled import CompiledExecutor
 
-            return self._threads(CompiledExecutor(eager, layers), model, config)  # eager until compiled
+            return self._threads(CompiledExecutor(eager, layers, counts), counts)  # eager until compiled
         if not self._graphs(model, config):
-            return self._threads(eager, model, config)
+            return self._threads(eager, counts)
         from .cuda_graphs import CudaGraphExecutor
 
         max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         return CudaGraphExecutor(eager, layers, config, scratch_block=size.num_blocks, max_positions=max_positions)
 
     @staticmethod
-    def _threads(executor: Executor, model: torch.nn.Module, config: PagedConfig) -> Executor:
-        """``executor`` with each step's thread count adapted (``threads.py``), where it applies: on
-        in the config, every layer on the CPU, more than one thread."""
+    def _thread_counts(model: torch.nn.Module, config: PagedConfig) -> tuple[int, ...]:
+        """The thread counts steps run with: 1 and torch's where they adapt (``threads.py``: on in the
+        config, every layer on the CPU, more than one thread), else torch's alone."""
+        from .threads import candidates
+
         on_cpu = {d.type for d in layer_devices(model)} == {"cpu"}
-        if not config.adaptive_threads or torch.get_num_threads() < 2 or not on_cpu:
+        return candidates(torch.get_num_threads()) if config.adaptive_threads and on_cpu else (torch.get_num_threads(),)
+
+    @staticmethod
+    def _threads(executor: Executor, counts: tuple[int, ...]) -> Executor:
+        """``executor`` with each step's thread count chosen among ``counts``, if there is a choice."""
+        if len(counts) < 2:
             return executor
         from .threads import ThreadTunedExecutor
 
-        return ThreadTunedExecutor(executor, torch.get_num_threads())
+        return ThreadTunedExecutor(executor, max(counts))
 
     @staticmethod
     def _compiled(model: torch.nn.Module, config: PagedConfig) -> bool:

@@ -12,9 +12,12 @@ alternating, keeps the faster (median of ``TRIALS``), and measures again every `
 steps of the bucket, since the machine's load changes.
 
 ``ThreadTunedExecutor`` wraps the engine's executor (the seam of ``executor.py``): the chosen count
-holds for the step's forward only, and the caller's count is back after it, so nothing else in the
-process runs with a count it did not set. Inductor's kernels, oneDNN and the native attention kernel
-all read the count at call time (``#pragma omp parallel`` without ``num_threads``).
+holds for the step's forward only, and the caller's count is back after it. ``torch.set_num_threads``
+is process-wide, though: another thread whose first torch op falls inside a one-thread step starts
+with one thread (a server's handler threads, say; they do little torch work). oneDNN and the native
+attention kernel read the count at every call; dynamo guards on it and inductor builds each graph's
+kernels for one count, so the compiled forward has a graph per candidate, all compiled in the
+background (``CompiledExecutor.thread_counts``).
 """
 
 from __future__ import annotations
@@ -104,7 +107,8 @@ def candidates(max_threads: int) -> tuple[int, ...]:
 
 class ThreadTunedExecutor:
     """``inner``'s steps, each with the thread count ``tuner`` chooses for its size; the caller's count
-    (``max_threads``, read when the engine is built) is restored after every step. When the inner
+    is restored after every step (a caller that changes it between steps gets a new tuner, between 1
+    and the new count). When the inner
     executor's ``graph_ready`` changes (a compiled forward replaced the eager one) the tuner starts over:
     the eager steps' timings say nothing about the graph's."""
 
@@ -125,13 +129,16 @@ class ThreadTunedExecutor:
         if phase != self._phase:
             self.tuner.reset()
             self._phase = phase
+        before = torch.get_num_threads()
+        if before != self.max_threads:  # the caller changed torch's count: tune between 1 and the new one
+            self.max_threads, self.tuner = before, ThreadTuner(candidates(before))
         threads = self.tuner.choose(step.num_tokens)
         torch.set_num_threads(threads)
         start = self.clock()
         try:
             logits = self.inner.execute(step)
         finally:
-            torch.set_num_threads(self.max_threads)
+            torch.set_num_threads(before)
         self.tuner.record(step.num_tokens, threads, self.clock() - start)
         return logits
 

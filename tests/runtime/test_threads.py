@@ -135,3 +135,37 @@ def test_engine_greedy_equals_sdpa_on_one_thread_or_two(llama_dir, two_threads) 
     torch.set_num_threads(1)
     with ContinuousBatchingEngine(paged, PagedConfig(num_blocks=64, compile=False)) as engine:
         assert not isinstance(engine.executor, ThreadTunedExecutor)
+
+
+def test_compiled_engine_compiles_a_graph_per_count_in_the_background(llama_dir, two_threads) -> None:
+    """Dynamo guards on the thread count, so a one-thread step would compile its own graph on the
+    engine's thread (seconds, with the loop stalled) unless the background compile made it: after
+    ``wait()`` both graphs exist, the steps compile nothing more, and the tokens equal sdpa's."""
+    from hf_paged_attn.runtime.compiled import CompiledExecutor
+
+    ref, paged = load_pair(llama_dir)
+    prompts = ragged_prompts(5, 3, 30, seed=12)
+    expected = [reference_greedy(ref, p, 12) for p in prompts]
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    with ContinuousBatchingEngine(paged, PagedConfig(num_blocks=64, compile=True)) as engine:
+        assert isinstance(engine.executor, ThreadTunedExecutor)
+        inner = engine.executor.inner
+        assert isinstance(inner, CompiledExecutor) and inner.thread_counts == (1, 2)
+        assert engine.executor.wait(timeout=600) and engine.executor.failed is None
+        compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        assert compiled - graphs == 2  # one graph per thread count
+        got = [o.output_ids for o in engine.generate(prompts, max_new_tokens=12)]
+        assert inner.num_compiled_steps > 5
+        assert {1, 2} <= {c for b in engine.executor.tuner.buckets.values() for c, s in b.samples.items() if s}
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiled  # no step compiled one
+    assert torch.get_num_threads() == 2
+    assert not compare_greedy(ref, prompts, expected, got)
+
+
+def test_a_caller_that_changes_the_count_gets_it_back(two_threads) -> None:
+    inner = Inner()
+    executor = ThreadTunedExecutor(inner, 2)
+    executor.execute(Step(4))
+    torch.set_num_threads(3)
+    executor.execute(Step(4))
+    assert torch.get_num_threads() == 3 and executor.max_threads == 3 and executor.tuner.candidates == (1, 3)
