@@ -142,13 +142,18 @@ class LocalLauncher:
         return CudaGraphExecutor(eager, layers, config, scratch_block=size.num_blocks, max_positions=max_positions)
 
     @staticmethod
-    def _thread_counts(model: torch.nn.Module, config: PagedConfig) -> tuple[int, ...]:
-        """The thread counts steps run with: 1 and torch's where they adapt (``threads.py``: on in the
-        config, every layer on the CPU, more than one thread), else torch's alone."""
+    def _on_cpu(model: torch.nn.Module) -> bool:
+        return {d.type for d in layer_devices(model)} == {"cpu"}
+
+    @classmethod
+    def _thread_counts(cls, model: torch.nn.Module, config: PagedConfig) -> tuple[int, ...]:
+        """The thread counts steps run with (the tuner's candidates, and the compiled graphs'): 1 and
+        torch's where they adapt (``threads.py``: on in the config, every layer on the CPU, more than
+        one thread), else torch's alone."""
         from .threads import candidates
 
-        on_cpu = {d.type for d in layer_devices(model)} == {"cpu"}
-        return candidates(torch.get_num_threads()) if config.adaptive_threads and on_cpu else (torch.get_num_threads(),)
+        adapt = config.adaptive_threads and cls._on_cpu(model)
+        return candidates(torch.get_num_threads()) if adapt else (torch.get_num_threads(),)
 
     @staticmethod
     def _threads(executor: Executor, counts: tuple[int, ...]) -> Executor:
@@ -157,12 +162,12 @@ class LocalLauncher:
             return executor
         from .threads import ThreadTunedExecutor
 
-        return ThreadTunedExecutor(executor, max(counts))
+        return ThreadTunedExecutor(executor, counts)
 
-    @staticmethod
-    def _compiled(model: torch.nn.Module, config: PagedConfig) -> bool:
+    @classmethod
+    def _compiled(cls, model: torch.nn.Module, config: PagedConfig) -> bool:
         """A compiled forward: on in the resolved config, every layer on the CPU, nothing offloaded."""
-        if not config.compile or {d.type for d in layer_devices(model)} != {"cpu"}:
+        if not config.compile or not cls._on_cpu(model):
             return False
         return not {"disk"} & {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}
 

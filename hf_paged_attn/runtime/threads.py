@@ -112,10 +112,12 @@ class ThreadTunedExecutor:
     executor's ``graph_ready`` changes (a compiled forward replaced the eager one) the tuner starts over:
     the eager steps' timings say nothing about the graph's."""
 
-    def __init__(self, inner: object, max_threads: int, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self, inner: object, counts: tuple[int, ...], clock: Callable[[], float] = time.perf_counter
+    ) -> None:
         self.inner = inner
-        self.max_threads = max_threads
-        self.tuner = ThreadTuner(candidates(max_threads))
+        self.max_threads = max(counts)  # the caller's count (``candidates``' largest)
+        self.tuner = ThreadTuner(counts)
         self.clock = clock
         self._phase: object = None
 

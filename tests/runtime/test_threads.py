@@ -86,7 +86,7 @@ class Step:
 def test_the_executor_sets_and_restores_the_count(two_threads) -> None:
     ticks = iter(range(1000))
     inner = Inner()
-    executor = ThreadTunedExecutor(inner, 2, clock=lambda: float(next(ticks)))
+    executor = ThreadTunedExecutor(inner, (1, 2), clock=lambda: float(next(ticks)))
     for _ in range(4):
         executor.execute(Step(64))
         assert torch.get_num_threads() == 2
@@ -100,7 +100,7 @@ def test_the_executor_sets_and_restores_the_count(two_threads) -> None:
 
 
 def test_a_failing_step_restores_the_count(two_threads) -> None:
-    executor = ThreadTunedExecutor(Inner(fail=True), 2)
+    executor = ThreadTunedExecutor(Inner(fail=True), (1, 2))
     with pytest.raises(RuntimeError, match="step failed"):
         executor.execute(Step(8))
     assert torch.get_num_threads() == 2
@@ -166,7 +166,7 @@ def test_compiled_engine_compiles_a_graph_per_count_in_the_background(llama_dir,
 
 def test_a_caller_that_changes_the_count_gets_it_back(two_threads) -> None:
     inner = Inner()
-    executor = ThreadTunedExecutor(inner, 2)
+    executor = ThreadTunedExecutor(inner, (1, 2))
     executor.execute(Step(4))
     torch.set_num_threads(3)
     executor.execute(Step(4))
