@@ -246,8 +246,10 @@ class CompiledModel:
 
 
     def stale(self) -> bool:
-        """Whether a weight changed since the compile froze them (an optimizer step, a loaded state
-        dict, a replaced ``.data``): the graph would compute with the old values."""
+        """Whether a weight changed since the compile (an optimizer step, a loaded state dict, a
+        replaced ``.data``): a graph with frozen weights would compute with the old values. An unfrozen
+        graph (``inductor_options``) reads the live ones, but is retired as well: whether dynamo's
+        guards catch every replaced parameter was not checked."""
         return fingerprint(self.tensors) != self.weights
 
 
@@ -378,7 +380,7 @@ class CompiledExecutor:
                 self.compiled.start(step.input_ids.device, self.thread_counts)
             return self._eager(step)
         if self.compiled.stale():
-            self.compiled.failed = "the model's weights changed after its compile froze them"
+            self.compiled.failed = "the model's weights changed after its compile"
             logger.warning("hf_paged_attn: %s; steps run eagerly (PagedConfig(compile=False) skips the compile for "
                            "models that train between generations)", self.compiled.failed)  # fmt: skip
             return self._eager(step)
