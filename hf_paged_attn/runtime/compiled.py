@@ -64,6 +64,7 @@ from ..attention.forward import ForwardContext
 from ..attention.function import COMPILED, COMPILED_STEP, CompiledStep
 from ..attention.step import StepMetadata
 from ..core.layers import LayerKinds
+from . import packed_linear
 from .weights import fingerprint
 
 if TYPE_CHECKING:
@@ -196,6 +197,8 @@ class CompiledModel:
     num_compiles: int = 0
     num_eager_steps: int = 0  # steps run eagerly before the graph was ready, by every engine on the model
     lock: threading.Lock = field(default_factory=threading.Lock)
+    pack: bool = False  # the graph runs the bf16 linears on oneDNN-packed weights (``packed_linear``)
+    model: weakref.ReferenceType[torch.nn.Module] | None = None
 
     def start(self, device: torch.device, thread_counts: Sequence[int] = ()) -> None:
         """Compile in the background, once (later calls do nothing), one graph for each of
@@ -223,6 +226,8 @@ class CompiledModel:
         )
         start = time.perf_counter()
         try:
+            if self.pack and (model := self.model and self.model()) is not None:
+                packed_linear.pack(model)  # before the trace, so the first graph runs on the copies
             with torch.inference_mode():  # as the engine's steps are: dynamo guards on inference tensors
                 ids = torch.zeros(1, WARMUP_ROWS, dtype=torch.long, device=device)
                 positions, indices = ids.clone(), torch.arange(2, device=device)
@@ -282,14 +287,17 @@ def compiled_model(model: torch.nn.Module, windows: list[int | None]) -> Compile
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     model_ref = weakref.ref(model)  # the compiled function must not keep the model alive
     cache = StepCache(windows)
+    pack = packed_linear.wanted(model, bool(INDUCTOR_OPTIONS.get("freezing")))
+    route = packed_linear.RoutePackedLinears if pack else contextlib.nullcontext
 
     def forward(input_ids: torch.Tensor, position_ids: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
-        out = model_ref()(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True,
-                          paged_forward=COMPILED, logits_to_keep=logits_indices)  # fmt: skip
+        with route():  # traced away: the graph calls hf_paged_attn::packed_linear where F.linear was
+            out = model_ref()(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True,
+                              paged_forward=COMPILED, logits_to_keep=logits_indices)  # fmt: skip
         return out.logits[0]
 
     tensors = [*model.parameters(), *model.buffers()]
-    found = _MODELS[model] = CompiledModel(torch.compile(forward), modules, tensors)
+    found = _MODELS[model] = CompiledModel(torch.compile(forward), modules, tensors, pack=pack, model=model_ref)
     return found
 
 
@@ -380,6 +388,8 @@ class CompiledExecutor:
                 self.compiled.start(step.input_ids.device, self.thread_counts)
             return self._eager(step)
         if self.compiled.stale():
+            if self.compiled.pack:  # the graph that multiplied by the packed copies is retired: free them
+                packed_linear.unpack(self.eager.model)
             self.compiled.failed = "the model's weights changed after its compile"
             logger.warning("hf_paged_attn: %s; steps run eagerly (PagedConfig(compile=False) skips the compile for "
                            "models that train between generations)", self.compiled.failed)  # fmt: skip

@@ -1,0 +1,189 @@
+"""bfloat16 linear layers on oneDNN's prepacked weights, in the CPU's compiled forward (``compiled.py``).
+
+torch's bf16 ``F.linear`` runs oneDNN's AMX matmul, but reorders the weight into the blocked layout
+AMX reads at every call (``ONEDNN_VERBOSE=1`` shows it: 0.33 ms for 64 rows of a 512 x 1536
+projection, 0.20 ms on a weight reordered once). vLLM's CPU build reorders every weight once at load
+(``ops.create_onednn_mm``); inductor does so only when it freezes the weights, which on Intel CPUs
+``compiled.inductor_options`` does not (frozen graphs can't use inductor's disk cache). This module
+does what vLLM does, without touching the model:
+
+- ``pack(model)`` keeps a reordered copy of each bf16 ``nn.Linear`` weight on the CPU
+  (``torch.ops.mkldnn._reorder_linear_weight``, for ``PACK_ROWS`` rows as vLLM's hint), keyed by the
+  weight's data pointer, shape and strides, and the version counter it had (``_PACKED``);
+- ``hf_paged_attn::packed_linear(x, weight, bias)`` is an opaque op (inductor calls it as it calls
+  ``aten::mm``) that multiplies by the packed copy, or runs ``F.linear`` whenever the weight is not the
+  one packed (another tensor, an in-place update since, another dtype): never a stale result;
+- ``RoutePackedLinears`` is a torch function mode, entered only inside the compiled forward, that sends
+  every ``F.linear`` on a bf16 CPU weight there. Dynamo traces the mode away, so the graph calls the op
+  directly; eager forwards (the model's own, the engine's before its graph is ready) never enter it
+  and run as before.
+
+The copies take as much memory as the bf16 linear weights (as inductor's frozen weights do); they are
+made only while they fit in a quarter of the memory available (``fits``). ``$HF_PAGED_ATTN_PACK=0``
+turns packing off, ``1`` on where it can run (``wanted``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from .weights import version
+
+logger = logging.getLogger(__name__)
+
+PACK_ENV = "HF_PAGED_ATTN_PACK"
+PACK_ROWS = 32  # the row count oneDNN chooses the packed layout for (vLLM's hint; any row count runs)
+DTYPES = (torch.bfloat16,)  # fp32: oneDNN's packed sgemm was slower than MKL's here (benchmarks/README.md)
+
+
+@dataclass(frozen=True, slots=True)
+class _Packed:
+    """A weight's packed copy and the identity it was made from."""
+
+    packed: torch.Tensor
+    version: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+_PACKED: dict[int, _Packed] = {}  # weight.data_ptr() -> its packed copy
+
+
+def _drop(ptr: int, entry: _Packed) -> None:
+    """Forgets ``entry`` when its weight is freed (unless a newer copy took its pointer)."""
+    if _PACKED.get(ptr) is entry:
+        del _PACKED[ptr]
+
+
+def _holds(entry: _Packed | None, weight: torch.Tensor) -> bool:
+    """Whether ``entry`` was packed from exactly ``weight``, unchanged since."""
+    return (
+        entry is not None
+        and entry.version == version(weight)
+        and entry.shape == tuple(weight.shape)
+        and entry.stride == weight.stride()  # w.t() of a square weight shares its pointer and shape
+        and entry.dtype == weight.dtype
+    )
+
+
+def _lookup(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight``'s packed copy, if it is exactly the tensor packed and unchanged since."""
+    entry = _PACKED.get(weight.data_ptr())
+    return entry.packed if _holds(entry, weight) else None
+
+
+def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, on ``weight``'s packed copy when ``pack`` made one that still holds."""
+    packed = _lookup(weight) if x.dtype == weight.dtype else None
+    if packed is None or (bias is not None and bias.dtype != x.dtype):
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _packed_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+# A plain library op, not ``torch.library.custom_op``: its dispatch costs ~2 us a call against ~5 us,
+# and a step calls it for every projection of every layer. It has no autograd formula: the compiled
+# forward runs under inference mode.
+_LIB = torch.library.Library("hf_paged_attn", "FRAGMENT")
+_LIB.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_LIB.impl("packed_linear", _packed_linear, "CPU")
+torch.library.register_fake("hf_paged_attn::packed_linear", _packed_linear_fake, lib=_LIB)
+packed_linear = torch.ops.hf_paged_attn.packed_linear.default
+
+
+class RoutePackedLinears(TorchFunctionMode):
+    """Sends ``F.linear`` on a bf16 CPU weight to ``packed_linear`` (for a compiled forward only: in eager
+    mode every torch call would pay this Python hop)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x = args[0] if args else kwargs["input"]
+            weight = args[1] if len(args) > 1 else kwargs["weight"]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if weight.dtype in DTYPES and weight.device.type == "cpu" and x.dtype == weight.dtype and weight.dim() == 2:
+                return packed_linear(x, weight, bias)
+        return func(*args, **kwargs)
+
+
+def _weights(model: nn.Module) -> list[torch.Tensor]:
+    """The plain (not tensor-subclass) 2-D bf16 CPU weights of ``model``'s ``nn.Linear`` layers, each once."""
+    seen: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        w = getattr(module, "weight", None) if isinstance(module, nn.Linear) else None
+        if (
+            isinstance(w, torch.Tensor)
+            and type(w) in (torch.Tensor, nn.Parameter)
+            and w.dim() == 2
+            and w.dtype in DTYPES
+            and w.device.type == "cpu"
+        ):
+            seen.setdefault(id(w), w)
+    return list(seen.values())
+
+
+def _available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where it can't be read)."""
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def fits(model: nn.Module) -> bool:
+    """Whether packed copies of ``model``'s bf16 linear weights fit in a quarter of the available memory."""
+    need = sum(w.numel() * w.element_size() for w in _weights(model))
+    available = _available_bytes()
+    return available is None or need <= available // 4
+
+
+def wanted(model: nn.Module, freezing: bool) -> bool:
+    """Whether the compiled forward of ``model`` should run its bf16 linears on packed weights: on the
+    CPU, with oneDNN's bf16 matmul (AVX-512 BF16 / AMX), unfrozen weights (frozen ones inductor packs
+    itself), and bf16 linears to pack; ``$HF_PAGED_ATTN_PACK`` (``0`` / ``1``) decides first."""
+    override = os.environ.get(PACK_ENV, "")
+    if override == "0" or (freezing and override != "1"):
+        return False
+    return bool(_weights(model)) and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def pack(model: nn.Module) -> int:
+    """Packs every bf16 linear weight of ``model`` not packed yet (or changed since); returns how many
+    copies it made. Nothing when they would not fit (``fits``: logged). A copy is dropped with its weight."""
+    if not fits(model):
+        logger.warning("hf_paged_attn: not packing the linear weights for oneDNN: the copies would take more than a "
+                       "quarter of the available memory")  # fmt: skip
+        return 0
+    made = 0
+    with torch.inference_mode():
+        for w in _weights(model):
+            ptr = w.data_ptr()
+            if _holds(_PACKED.get(ptr), w):
+                continue
+            packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS)
+            entry = _PACKED[ptr] = _Packed(packed, version(w), tuple(w.shape), w.stride(), w.dtype)
+            weakref.finalize(w, _drop, ptr, entry)
+            made += 1
+    return made
+
+
+def unpack(model: nn.Module) -> None:
+    """Drops the packed copies of ``model``'s weights (the op then runs ``F.linear`` on them)."""
+    for w in _weights(model):
+        _PACKED.pop(w.data_ptr(), None)
