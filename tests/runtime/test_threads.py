@@ -153,9 +153,10 @@ def test_compiled_engine_compiles_a_graph_per_count_in_the_background(llama_dir,
         assert isinstance(inner, CompiledExecutor) and inner.thread_counts == (1, 2)
         assert engine.executor.wait(timeout=600) and engine.executor.failed is None
         compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        # a graph per thread count; fewer new ones when an earlier model of this shape made one (its
-        # weights are graph inputs where they are not frozen, so the graph serves this model too)
-        assert 1 <= compiled - graphs <= 2
+        # a graph per thread count; fewer new ones (none, after an earlier compiled engine at two threads)
+        # when an earlier model of this shape made them: its weights are graph inputs where they are not
+        # frozen, so its graphs serve this model too. What matters is below: no step compiles one.
+        assert 0 <= compiled - graphs <= 2
         got = [o.output_ids for o in engine.generate(prompts, max_new_tokens=12)]
         assert inner.num_compiled_steps > 5
         assert {1, 2} <= {c for b in engine.executor.tuner.buckets.values() for c, s in b.samples.items() if s}
