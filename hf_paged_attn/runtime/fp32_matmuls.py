@@ -88,13 +88,14 @@ def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x.float(), copies.weight, copies.bias).to(x.dtype)
 
 
-def _plain(layer: nn.Module) -> bool:
+def plain_linear(layer: nn.Module, dtypes: tuple[torch.dtype, ...] = HALF) -> bool:
     """An ``nn.Linear`` whose forward is nn.Linear's (not a subclass's own: a BitNet layer quantizes its
-    input) on plain half-precision CPU tensors (not a quantized tensor subclass)."""
+    input) on plain CPU tensors of one of ``dtypes`` (not a quantized tensor subclass). ``packed_linear``
+    takes the same layers."""
     if not isinstance(layer, nn.Linear) or type(layer).forward is not nn.Linear.forward:
         return False
     tensors = [t for t in (layer.weight, layer.bias) if t is not None]
-    return (layer.weight.dtype in HALF and layer.weight.device.type == "cpu"
+    return (layer.weight.dtype in dtypes and layer.weight.device.type == "cpu"
             and all(type(t) in (torch.Tensor, nn.Parameter) for t in tensors))  # fmt: skip
 
 
@@ -104,7 +105,7 @@ def install(model: nn.Module) -> int:
     count = 0
     for layer in model.modules():
         if ATTR not in layer.__dict__:
-            if not _plain(layer) or "forward" in layer.__dict__:  # "forward": someone else's (accelerate's hooks)
+            if not plain_linear(layer) or "forward" in layer.__dict__:  # "forward": someone else's (accelerate's hooks)
                 continue
             setattr(layer, ATTR, Copies.of(layer))
             # an instance attribute (other models keep theirs); a partial, unlike a bound method, pickles

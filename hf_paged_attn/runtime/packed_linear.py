@@ -7,9 +7,9 @@ projection, 0.20 ms on a weight reordered once). vLLM's CPU build reorders every
 ``compiled.inductor_options`` does not (frozen graphs can't use inductor's disk cache). This module
 does what vLLM does, without touching the model:
 
-- ``pack(model)`` keeps a reordered copy of each bf16 ``nn.Linear`` weight on the CPU
-  (``torch.ops.mkldnn._reorder_linear_weight``, for ``PACK_ROWS`` rows as vLLM's hint), keyed by the
-  weight's data pointer, shape and strides, and the version counter it had (``_PACKED``);
+- ``pack(model)`` keeps a reordered copy of each bf16 weight of the layers ``fp32_matmuls.plain_linear``
+  takes (``torch.ops.mkldnn._reorder_linear_weight``, for ``PACK_ROWS`` rows as vLLM's hint), keyed by
+  the weight's data pointer, with its ``weights.fingerprint``, shape and strides (``_PACKED``);
 - ``hf_paged_attn::packed_linear(x, weight, bias)`` is an opaque op (inductor calls it as it calls
   ``aten::mm``) that multiplies by the packed copy, or runs ``F.linear`` whenever the weight is not the
   one packed (another tensor, an in-place update since, another dtype): never a stale result;
@@ -19,7 +19,7 @@ does what vLLM does, without touching the model:
   and run as before.
 
 The copies take as much memory as the bf16 linear weights (as inductor's frozen weights do); they are
-made only while they fit in a quarter of the memory available (``fits``). ``$HF_PAGED_ATTN_PACK=0``
+made only while they fit in a quarter of the memory available (``_fits``). ``$HF_PAGED_ATTN_PACK=0``
 turns packing off, ``1`` on where it can run (``wanted``).
 """
 
@@ -35,7 +35,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .weights import version
+from .fp32_matmuls import ATTR as FP32_COPIES
+from .fp32_matmuls import hardware_lacks, plain_linear
+from .weights import fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +51,7 @@ class _Packed:
     """A weight's packed copy and the identity it was made from."""
 
     packed: torch.Tensor
-    version: int
+    made_of: tuple[int, int]  # the weight's ``fingerprint`` (version counter, data pointer) when packed
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
@@ -68,7 +70,7 @@ def _holds(entry: _Packed | None, weight: torch.Tensor) -> bool:
     """Whether ``entry`` was packed from exactly ``weight``, unchanged since."""
     return (
         entry is not None
-        and entry.version == version(weight)
+        and entry.made_of == fingerprint((weight,))
         and entry.shape == tuple(weight.shape)
         and entry.stride == weight.stride()  # w.t() of a square weight shares its pointer and shape
         and entry.dtype == weight.dtype
@@ -119,18 +121,12 @@ class RoutePackedLinears(TorchFunctionMode):
 
 
 def _weights(model: nn.Module) -> list[torch.Tensor]:
-    """The plain (not tensor-subclass) 2-D bf16 CPU weights of ``model``'s ``nn.Linear`` layers, each once."""
+    """The weights to pack: those of ``model``'s plain bf16 CPU linears (``plain_linear``), each once; not
+    those of layers that multiply by float32 copies instead (``fp32_matmuls.install``)."""
     seen: dict[int, torch.Tensor] = {}
     for module in model.modules():
-        w = getattr(module, "weight", None) if isinstance(module, nn.Linear) else None
-        if (
-            isinstance(w, torch.Tensor)
-            and type(w) in (torch.Tensor, nn.Parameter)
-            and w.dim() == 2
-            and w.dtype in DTYPES
-            and w.device.type == "cpu"
-        ):
-            seen.setdefault(id(w), w)
+        if plain_linear(module, DTYPES) and module.weight.dim() == 2 and FP32_COPIES not in module.__dict__:
+            seen.setdefault(id(module.weight), module.weight)
     return list(seen.values())
 
 
@@ -146,9 +142,9 @@ def _available_bytes() -> int | None:
     return None
 
 
-def fits(model: nn.Module) -> bool:
-    """Whether packed copies of ``model``'s bf16 linear weights fit in a quarter of the available memory."""
-    need = sum(w.numel() * w.element_size() for w in _weights(model))
+def _fits(weights: list[torch.Tensor]) -> bool:
+    """Whether packed copies of ``weights`` fit in a quarter of the available memory."""
+    need = sum(w.numel() * w.element_size() for w in weights)
     available = _available_bytes()
     return available is None or need <= available // 4
 
@@ -160,24 +156,25 @@ def wanted(model: nn.Module, freezing: bool) -> bool:
     override = os.environ.get(PACK_ENV, "")
     if override == "0" or (freezing and override != "1"):
         return False
-    return bool(_weights(model)) and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return bool(_weights(model)) and not hardware_lacks(torch.bfloat16)
 
 
 def pack(model: nn.Module) -> int:
     """Packs every bf16 linear weight of ``model`` not packed yet (or changed since); returns how many
-    copies it made. Nothing when they would not fit (``fits``: logged). A copy is dropped with its weight."""
-    if not fits(model):
+    copies it made. Nothing when they would not fit (``_fits``: logged). A copy is dropped with its weight."""
+    weights = _weights(model)
+    if not _fits(weights):
         logger.warning("hf_paged_attn: not packing the linear weights for oneDNN: the copies would take more than a "
                        "quarter of the available memory")  # fmt: skip
         return 0
     made = 0
     with torch.inference_mode():
-        for w in _weights(model):
+        for w in weights:
             ptr = w.data_ptr()
             if _holds(_PACKED.get(ptr), w):
                 continue
             packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS)
-            entry = _PACKED[ptr] = _Packed(packed, version(w), tuple(w.shape), w.stride(), w.dtype)
+            entry = _PACKED[ptr] = _Packed(packed, fingerprint((w,)), tuple(w.shape), w.stride(), w.dtype)
             weakref.finalize(w, _drop, ptr, entry)
             made += 1
     return made

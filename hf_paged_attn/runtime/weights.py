@@ -11,11 +11,6 @@ import torch
 _VERSION = operator.attrgetter("_version")  # torch's version counter (a name transformers also uses privately)
 
 
-def version(tensor: torch.Tensor) -> int:
-    """``tensor``'s version counter: every in-place write bumps it."""
-    return _VERSION(tensor)
-
-
 def fingerprint(tensors: Iterable[torch.Tensor | None]) -> tuple[int, int]:
     """(sum of version counters, sum of data pointers) of ``tensors`` (None skipped): every in-place
     write bumps a tensor's version, a replaced tensor or ``.data`` moves its pointer (a write through

@@ -130,11 +130,21 @@ def test_wanted_follows_the_hardware_the_freezing_and_the_override(monkeypatch) 
 
 
 @needs_onednn_bf16
+def test_layers_with_float32_copies_are_not_packed() -> None:
+    from hf_paged_attn.runtime import fp32_matmuls
+
+    model = nn.Sequential(linear(), linear(seed=1))
+    fp32_matmuls.install(model[0])  # multiplies by its float32 copies: a packed bf16 copy would go unused
+    assert packed_linear._weights(model) == [model[1].weight]
+    assert packed_linear.pack(model) == 1
+
+
+@needs_onednn_bf16
 def test_copies_that_would_not_fit_are_not_made(monkeypatch, caplog) -> None:
     layer = linear()
     bytes_needed = layer.weight.numel() * 2
     monkeypatch.setattr(packed_linear, "_available_bytes", lambda: 4 * bytes_needed - 1)
-    assert not packed_linear.fits(layer)
+    assert not packed_linear._fits([layer.weight])
     assert packed_linear.pack(layer) == 0
     assert "quarter of the available memory" in caplog.text
     monkeypatch.setattr(packed_linear, "_available_bytes", lambda: 4 * bytes_needed)
