@@ -36,7 +36,7 @@ the rest of the compile (lowering, C++ builds) runs beside the steps.
 What runs eagerly instead: every step until the graph is ready, the first step of an engine (it
 confirms each layer's window and runs the model checks, ``check_attention_call``, that the graph
 skips), beam search, and everything once the compile has failed (logged, as a failed CUDA graph
-capture is). Where the weights are frozen (``inductor_options``: not on Intel CPUs) they are copies
+capture is). Where the weights are frozen (``inductor_options``: only on request) they are copies
 the graph holds; either way, when any of the model's weights
 changes after the compile (an optimizer step between generations, a loaded state dict; checked at
 every step through version counters, ``CompiledModel.stale``), the model runs eagerly from then on.
@@ -64,7 +64,7 @@ from ..attention.forward import ForwardContext
 from ..attention.function import COMPILED, COMPILED_STEP, CompiledStep
 from ..attention.step import StepMetadata
 from ..core.layers import LayerKinds
-from . import packed_linear
+from . import linear_groups, packed_linear
 from .weights import fingerprint
 
 if TYPE_CHECKING:
@@ -73,34 +73,19 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # Inductor options of the compiled forward, patched around every call (``torch.compile(options=)``
-# does not apply ``freezing``). ``freezing`` folds the weights into the graph as constants, so inductor
-# prepacks them for oneDNN: with a dynamic token count in fp32 too, where MKL's sgemm (what eager
-# fp32 runs) was 2-3x slower on the AMD EPYCs of benchmarks/README.md ("A compiled forward"; MKL does
-# not take its best AVX-512 code on them). On an Intel CPU MKL's sgemm was as fast as oneDNN's packed
-# weights, and bf16 as fast either way ("Adaptive threads and a short spin"), so there the weights stay
-# graph inputs: the packed weights can't be pickled, and without them inductor's disk cache
-# (``/tmp/torchinductor_$USER``) serves every later process, which then starts in seconds.
-# ``HF_PAGED_ATTN_FREEZE=1`` / ``0`` overrides the choice.
+# does not apply ``freezing``). The weights stay graph inputs: ``packed_linear`` multiplies by copies
+# prepacked for oneDNN (as ``freezing``, which folds the weights into the graph as constants, would have
+# inductor do), and the graph, free of unpicklable packed constants, is one that inductor's disk cache
+# (``/tmp/torchinductor_$USER``) serves to every later process, which then compiles in seconds instead of
+# 25-50 s. ``HF_PAGED_ATTN_FREEZE=1`` freezes them instead. ``linear_groups.GROUP_LINEARS`` then makes
+# the projections that share an input (q/k/v, gate/up) one matmul.
 FREEZE_ENV = "HF_PAGED_ATTN_FREEZE"
 
 
-def cpu_vendor() -> str:
-    """The CPU's vendor id (``GenuineIntel``, ``AuthenticAMD``, ...; "" where /proc/cpuinfo does not say)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            for line in info:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
 def inductor_options() -> dict[str, object]:
-    """The compiled forward's inductor options: ``freezing`` except on Intel CPUs (see above)."""
-    override = os.environ.get(FREEZE_ENV, "")
-    freeze = override != "0" if override else cpu_vendor() != "GenuineIntel"
-    return {"freezing": freeze}
+    """The compiled forward's inductor options: no ``freezing`` unless ``$HF_PAGED_ATTN_FREEZE`` is 1, the
+    packed projections grouped (see above)."""
+    return {"freezing": os.environ.get(FREEZE_ENV, "") == "1", "post_grad_custom_pre_pass": linear_groups.GROUP_LINEARS}
 
 
 INDUCTOR_OPTIONS: dict[str, object] = inductor_options()
@@ -390,6 +375,7 @@ class CompiledExecutor:
         if self.compiled.stale():
             if self.compiled.pack:  # the graph that multiplied by the packed copies is retired: free them
                 packed_linear.unpack(self.eager.model)
+                linear_groups.unpack(self.eager.model)
             self.compiled.failed = "the model's weights changed after its compile"
             logger.warning("hf_paged_attn: %s; steps run eagerly (PagedConfig(compile=False) skips the compile for "
                            "models that train between generations)", self.compiled.failed)  # fmt: skip

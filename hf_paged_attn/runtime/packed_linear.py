@@ -1,24 +1,26 @@
-"""bfloat16 linear layers on oneDNN's prepacked weights, in the CPU's compiled forward (``compiled.py``).
+"""Linear layers on oneDNN's prepacked weights, in the CPU's compiled forward (``compiled.py``).
 
 torch's bf16 ``F.linear`` runs oneDNN's AMX matmul, but reorders the weight into the blocked layout
 AMX reads at every call (``ONEDNN_VERBOSE=1`` shows it: 0.33 ms for 64 rows of a 512 x 1536
-projection, 0.20 ms on a weight reordered once). vLLM's CPU build reorders every weight once at load
-(``ops.create_onednn_mm``); inductor does so only when it freezes the weights, which on Intel CPUs
+projection, 0.20 ms on a weight reordered once); its fp32 ``F.linear`` is MKL's sgemm, 2-3x slower than
+oneDNN's packed one on AMD EPYCs. vLLM's CPU build reorders every weight once at load
+(``ops.create_onednn_mm``); inductor does so only when it freezes the weights, which
 ``compiled.inductor_options`` does not (frozen graphs can't use inductor's disk cache). This module
 does what vLLM does, without touching the model:
 
-- ``pack(model)`` keeps a reordered copy of each bf16 weight of the layers ``fp32_matmuls.plain_linear``
-  takes (``torch.ops.mkldnn._reorder_linear_weight``, for ``PACK_ROWS`` rows as vLLM's hint), keyed by
+- ``pack(model)`` keeps a reordered copy of each weight of a packed dtype (``DTYPES``: bf16 where oneDNN
+  has it, float32 except on Intel CPUs) of the layers ``fp32_matmuls.plain_linear`` takes
+  (``torch.ops.mkldnn._reorder_linear_weight``, for ``PACK_ROWS`` rows as vLLM's hint), keyed by
   the weight's data pointer, with its ``weights.fingerprint``, shape and strides (``_PACKED``);
 - ``hf_paged_attn::packed_linear(x, weight, bias)`` is an opaque op (inductor calls it as it calls
   ``aten::mm``) that multiplies by the packed copy, or runs ``F.linear`` whenever the weight is not the
   one packed (another tensor, an in-place update since, another dtype): never a stale result;
 - ``RoutePackedLinears`` is a torch function mode, entered only inside the compiled forward, that sends
-  every ``F.linear`` on a bf16 CPU weight there. Dynamo traces the mode away, so the graph calls the op
-  directly; eager forwards (the model's own, the engine's before its graph is ready) never enter it
-  and run as before.
+  every ``F.linear`` on a CPU weight of a packed dtype there. Dynamo traces the mode away, so the graph
+  calls the op directly; eager forwards (the model's own, the engine's before its graph is ready) never
+  enter it and run as before. ``linear_groups`` then makes the calls that share an input one matmul.
 
-The copies take as much memory as the bf16 linear weights (as inductor's frozen weights do); they are
+The copies take as much memory as the packed linear weights (as inductor's frozen weights do); they are
 made only while they fit in a quarter of the memory available (``_fits``). ``$HF_PAGED_ATTN_PACK=0``
 turns packing off, ``1`` on where it can run (``wanted``).
 """
@@ -43,7 +45,31 @@ logger = logging.getLogger(__name__)
 
 PACK_ENV = "HF_PAGED_ATTN_PACK"
 PACK_ROWS = 32  # the row count oneDNN chooses the packed layout for (vLLM's hint; any row count runs)
-DTYPES = (torch.bfloat16,)  # fp32: oneDNN's packed sgemm was slower than MKL's here (benchmarks/README.md)
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor id (``GenuineIntel``, ``AuthenticAMD``, ...; "" where /proc/cpuinfo does not say)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def packed_dtypes(vendor: str | None = None) -> tuple[torch.dtype, ...]:
+    """The weight dtypes packed here: bf16 where oneDNN has a bf16 matmul (AVX-512 BF16, AMX); float32 too,
+    except on Intel CPUs. On the AMD EPYCs of benchmarks/README.md oneDNN's packed sgemm was 2-3x faster than
+    MKL's (what ``F.linear`` runs in float32: MKL does not take its best AVX-512 code there); on the Intel
+    Xeons it was as fast or slower."""
+    vendor = cpu_vendor() if vendor is None else vendor
+    fp32 = () if vendor == "GenuineIntel" else (torch.float32,)
+    return fp32 + (() if hardware_lacks(torch.bfloat16) else (torch.bfloat16,))
+
+
+DTYPES = packed_dtypes()
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,8 +132,8 @@ packed_linear = torch.ops.hf_paged_attn.packed_linear.default
 
 
 class RoutePackedLinears(TorchFunctionMode):
-    """Sends ``F.linear`` on a bf16 CPU weight to ``packed_linear`` (for a compiled forward only: in eager
-    mode every torch call would pay this Python hop)."""
+    """Sends ``F.linear`` on a CPU weight of a packed dtype (``DTYPES``) to ``packed_linear`` (for a compiled
+    forward only: in eager mode every torch call would pay this Python hop)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
@@ -121,7 +147,7 @@ class RoutePackedLinears(TorchFunctionMode):
 
 
 def _weights(model: nn.Module) -> list[torch.Tensor]:
-    """The weights to pack: those of ``model``'s plain bf16 CPU linears (``plain_linear``), each once; not
+    """The weights to pack: those of ``model``'s plain CPU linears of a packed dtype (``plain_linear``), each once; not
     those of layers that multiply by float32 copies instead (``fp32_matmuls.install``)."""
     seen: dict[int, torch.Tensor] = {}
     for module in model.modules():
@@ -150,17 +176,17 @@ def _fits(weights: list[torch.Tensor]) -> bool:
 
 
 def wanted(model: nn.Module, freezing: bool) -> bool:
-    """Whether the compiled forward of ``model`` should run its bf16 linears on packed weights: on the
-    CPU, with oneDNN's bf16 matmul (AVX-512 BF16 / AMX), unfrozen weights (frozen ones inductor packs
-    itself), and bf16 linears to pack; ``$HF_PAGED_ATTN_PACK`` (``0`` / ``1``) decides first."""
+    """Whether the compiled forward of ``model`` should run its linears on packed weights: on the CPU,
+    unfrozen weights (frozen ones inductor packs itself), and linears of a packed dtype (``DTYPES``);
+    ``$HF_PAGED_ATTN_PACK`` (``0`` / ``1``) decides first."""
     override = os.environ.get(PACK_ENV, "")
     if override == "0" or (freezing and override != "1"):
         return False
-    return bool(_weights(model)) and not hardware_lacks(torch.bfloat16)
+    return bool(_weights(model))
 
 
 def pack(model: nn.Module) -> int:
-    """Packs every bf16 linear weight of ``model`` not packed yet (or changed since); returns how many
+    """Packs every linear weight of a packed dtype of ``model`` not packed yet (or changed since); returns how many
     copies it made. Nothing when they would not fit (``_fits``: logged). A copy is dropped with its weight."""
     weights = _weights(model)
     if not _fits(weights):

@@ -13,7 +13,7 @@ from torch import nn
 
 import hf_paged_attn  # noqa: F401  (registers "paged")
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
-from hf_paged_attn.runtime import packed_linear
+from hf_paged_attn.runtime import linear_groups, packed_linear
 from hf_paged_attn.runtime.compiled import CompiledExecutor
 from hf_paged_attn_tools.testing import compare_greedy, load_pair, ragged_prompts, reference_greedy
 
@@ -93,9 +93,10 @@ def test_a_freed_weight_drops_its_copy() -> None:
 
 
 @needs_onednn_bf16
-def test_the_mode_routes_only_a_compiled_forwards_bf16_linears(counted) -> None:
+def test_the_mode_routes_only_a_compiled_forwards_bf16_linears(counted, monkeypatch) -> None:
+    monkeypatch.setattr(packed_linear, "DTYPES", (BF16,))  # as on an Intel CPU
     model = nn.Sequential(linear(96, 64), nn.SiLU(), linear(64, 96, bias=False, seed=2)).eval()
-    fp32 = nn.Linear(64, 8)  # not bf16: never routed
+    fp32 = nn.Linear(64, 8)  # not a packed dtype: never routed
     assert packed_linear.pack(model) == 2
 
     def forward(x: torch.Tensor) -> torch.Tensor:
@@ -122,11 +123,24 @@ def test_wanted_follows_the_hardware_the_freezing_and_the_override(monkeypatch) 
     monkeypatch.delenv(packed_linear.PACK_ENV, raising=False)
     assert packed_linear.wanted(model, freezing=False) is supported
     assert packed_linear.wanted(model, freezing=True) is False  # inductor packs frozen weights itself
-    assert packed_linear.wanted(nn.Sequential(nn.Linear(4, 4)), freezing=False) is False  # fp32: nothing to pack
+    fp32 = nn.Sequential(nn.Linear(4, 4))  # packed except on Intel CPUs
+    assert packed_linear.wanted(fp32, freezing=False) is (torch.float32 in packed_linear.DTYPES)
+    assert packed_linear.wanted(nn.Sequential(nn.ReLU()), freezing=False) is False  # no linear: nothing to pack
     monkeypatch.setenv(packed_linear.PACK_ENV, "0")
     assert packed_linear.wanted(model, freezing=False) is False
     monkeypatch.setenv(packed_linear.PACK_ENV, "1")
     assert packed_linear.wanted(model, freezing=True) is supported
+
+
+def test_float32_is_packed_except_on_intel_cpus() -> None:
+    bf16 = () if fp32_matmuls_lack_bf16() else (BF16,)
+    assert packed_linear.packed_dtypes("GenuineIntel") == bf16
+    assert packed_linear.packed_dtypes("AuthenticAMD") == (torch.float32, *bf16)
+    assert packed_linear.packed_dtypes("") == (torch.float32, *bf16)
+
+
+def fp32_matmuls_lack_bf16() -> bool:
+    return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 @needs_onednn_bf16
@@ -165,8 +179,9 @@ def test_compiled_bf16_engine_runs_packed_linears_and_equals_sdpa(llama_dir, cou
         counted.clear()
         got = [o.output_ids for o in engine.generate(prompts, max_new_tokens=10)]
         assert engine.executor.num_compiled_steps > 5
-    # every projection of every layer and the LM head, on the packed copies
-    per_step = 7 * paged.config.num_hidden_layers + 1
+    # o_proj and down_proj of every layer and the LM head on their packed copies (q/k/v and gate/up run as
+    # groups: tests/runtime/test_linear_groups.py)
+    per_step = 2 * paged.config.num_hidden_layers + 1
     assert sum(counted) >= per_step * engine.executor.num_compiled_steps and all(counted)
     assert not compare_greedy(ref, prompts, expected, got, tie_tolerance=0.05)
     with torch.no_grad():
@@ -174,4 +189,6 @@ def test_compiled_bf16_engine_runs_packed_linears_and_equals_sdpa(llama_dir, cou
     with ContinuousBatchingEngine(paged, config) as engine:
         engine.generate(prompts[:1], max_new_tokens=2)
         assert "weights changed" in engine.executor.failed
-    assert not any(w.data_ptr() in packed_linear._PACKED for w in packed_linear._weights(paged))
+    ptrs = {w.data_ptr() for w in packed_linear._weights(paged)}
+    assert not ptrs.intersection(packed_linear._PACKED)
+    assert not any(ptrs.intersection(key) for key in linear_groups._GROUPS)

@@ -1,0 +1,155 @@
+"""Projections that share an input as one matmul (``hf_paged_attn/runtime/linear_groups.py``): the group op
+equals its members' ``F.linear``, never computes with a stale copy, the pass groups exactly the packed
+linears that share an input, and a compiled engine with groups keeps greedy parity with sdpa."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hf_paged_attn  # noqa: F401  (registers "paged")
+from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
+from hf_paged_attn.runtime import compiled, linear_groups, packed_linear
+from hf_paged_attn.runtime.compiled import CompiledExecutor
+from hf_paged_attn_tools.testing import compare_greedy, load_pair, ragged_prompts, reference_greedy
+
+PACKED = packed_linear.DTYPES  # the dtypes this CPU packs (float32 except on Intel, bf16 with oneDNN's bf16)
+needs_packing = pytest.mark.skipif(not PACKED, reason="this CPU packs no dtype")
+
+
+def members(dtype: torch.dtype, biases: tuple[bool, ...] = (False, False, True)) -> list[nn.Linear]:
+    torch.manual_seed(0)
+    sizes = (64, 16, 24)
+    return [nn.Linear(32, size, bias=bias).to(dtype) for size, bias in zip(sizes, biases)]
+
+
+def run_group(layers: list[nn.Linear], x: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return linear_groups.packed_linear_group(x, [m.weight for m in layers], [m.bias for m in layers])
+
+
+def want(layers: list[nn.Linear], x: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.cat([F.linear(x, m.weight, m.bias) for m in layers], dim=-1)
+
+
+@pytest.fixture
+def group_hits(monkeypatch) -> list[bool]:
+    """Records, for every call of the group op, whether it ran on a group copy."""
+    hits: list[bool] = []
+    real = linear_groups._group_copy
+
+    def group_copy(weights, biases):  # noqa: ANN001, ANN202
+        found = real(weights, biases)
+        hits.append(found is not None)
+        return found
+
+    monkeypatch.setattr(linear_groups, "_group_copy", group_copy)
+    return hits
+
+
+@needs_packing
+@pytest.mark.parametrize("dtype", PACKED)
+@pytest.mark.parametrize("biases", [(False, False, False), (False, False, True), (True, True, True)])
+def test_the_group_op_equals_its_members_f_linear(dtype, biases, group_hits) -> None:
+    layers = members(dtype, biases)
+    for layer in layers:
+        packed_linear.pack(layer)
+    x = torch.randn(1, 5, 32, dtype=dtype)
+    got = run_group(layers, x)
+    assert got.shape == (1, 5, 64 + 16 + 24)
+    torch.testing.assert_close(got, want(layers, x), rtol=2e-2, atol=2e-2)
+    assert group_hits == [True]
+    # the graph multiplies by the group's copy from now on: the members' single copies are gone
+    assert not any(m.weight.data_ptr() in packed_linear._PACKED for m in layers)
+
+
+@needs_packing
+def test_a_changed_member_never_uses_the_group_copy(group_hits) -> None:
+    layers = members(PACKED[0])
+    for layer in layers:
+        packed_linear.pack(layer)
+    x = torch.randn(3, 32, dtype=PACKED[0])
+    run_group(layers, x)
+    with torch.no_grad():
+        layers[1].weight.mul_(3.0)  # in place, as an optimizer step: the group copy is stale
+    torch.testing.assert_close(run_group(layers, x), want(layers, x), rtol=2e-2, atol=2e-2)
+    layers[2].bias = nn.Parameter(torch.ones_like(layers[2].bias))  # a replaced bias, likewise
+    torch.testing.assert_close(run_group(layers, x), want(layers, x), rtol=2e-2, atol=2e-2)
+    assert group_hits == [True, False, False]
+
+
+@needs_packing
+def test_unpacked_members_are_not_grouped_and_a_freed_weight_drops_its_group(group_hits) -> None:
+    layers = members(PACKED[0])
+    x = torch.randn(3, 32, dtype=PACKED[0])
+    torch.testing.assert_close(run_group(layers, x), want(layers, x), rtol=2e-2, atol=2e-2)
+    assert group_hits == [False] and not linear_groups._GROUPS  # packing did not take them: no copy made here
+    for layer in layers:
+        packed_linear.pack(layer)
+    run_group(layers, x)
+    key = tuple(m.weight.data_ptr() for m in layers)
+    assert key in linear_groups._GROUPS
+    del layers
+    gc.collect()
+    assert key not in linear_groups._GROUPS
+
+
+class Block(nn.Module):
+    """Three projections of one input (one of them viewed as heads), and one of another."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.q, self.k, self.v = members(dtype)
+        self.o = nn.Linear(104, 32).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.q(x).view(*x.shape[:-1], 4, 16)
+        return self.o(torch.cat([q.flatten(-2) * 2, self.k(x), self.v(x).relu()], -1))
+
+
+@needs_packing
+@pytest.mark.parametrize("groups", ["", "0"])
+def test_the_pass_groups_the_packed_linears_that_share_an_input(groups, group_hits, monkeypatch) -> None:
+    monkeypatch.setenv(linear_groups.GROUPS_ENV, groups)
+    torch._dynamo.reset()
+    model = Block(PACKED[0]).eval()
+    assert packed_linear.pack(model) == 4
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        with packed_linear.RoutePackedLinears():
+            return model(x)
+
+    graph = torch.compile(forward, dynamic=True)
+    with torch.inference_mode(), torch._inductor.config.patch(compiled.inductor_options()):
+        for rows in (5, 9):
+            x = torch.randn(1, rows, 32, dtype=PACKED[0])
+            torch.testing.assert_close(graph(x), model(x), rtol=2e-2, atol=2e-2)
+    # q, k and v share x: one group op a call; o reads another input and stays alone
+    assert group_hits == ([True, True] if groups == "" else [])
+
+
+@needs_packing
+@pytest.mark.parametrize("dtype", PACKED)
+def test_compiled_engine_with_groups_equals_sdpa(llama_dir, dtype, monkeypatch) -> None:
+    monkeypatch.delenv(packed_linear.PACK_ENV, raising=False)
+    monkeypatch.delenv(linear_groups.GROUPS_ENV, raising=False)
+    ref, paged = load_pair(llama_dir, dtype=dtype)
+    prompts = ragged_prompts(4, 3, 30, seed=9)
+    expected = [reference_greedy(ref, p, 10) for p in prompts]
+    with ContinuousBatchingEngine(paged, PagedConfig(num_blocks=64, compile=True, fp32_matmuls=False)) as engine:
+        inner = getattr(engine.executor, "inner", engine.executor)  # under adaptive threads with >1 thread
+        assert isinstance(inner, CompiledExecutor) and inner.compiled.pack
+        assert engine.executor.wait(timeout=600) and engine.executor.failed is None
+        got = [o.output_ids for o in engine.generate(prompts, max_new_tokens=10)]
+        assert engine.executor.num_compiled_steps > 5
+    # q/k/v and gate/up of every layer run as groups
+    weights = {w.data_ptr() for w in packed_linear._weights(paged)}
+    groups = [key for key in linear_groups._GROUPS if set(key) <= weights]
+    assert sorted(map(len, groups)) == [2] * paged.config.num_hidden_layers + [3] * paged.config.num_hidden_layers
+    tolerance = 1e-4 if dtype == torch.float32 else 0.05
+    assert not compare_greedy(ref, prompts, expected, got, tie_tolerance=tolerance)
