@@ -1,6 +1,8 @@
 """The matmul paths torch offers on this CPU, side by side: ``F.linear`` (MKL sgemm in fp32, oneDNN in
 bf16), oneDNN on a prepacked weight (``mkldnn._linear_pointwise``, what inductor's freezing emits for
-bf16) and MKL's packed sgemm (``mkl._mkl_linear``, inductor's fp32 choice with a static batch size).
+bf16, and ``runtime/packed_linear.py`` in the compiled forward), the same with q/k/v and gate/up as one
+matmul each on their weights concatenated (``runtime/linear_groups.py``: "grouped") and MKL's packed
+sgemm (``mkl._mkl_linear``, inductor's fp32 choice with a static batch size).
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/linear_backends_cpu.py [--threads 2] [--reps 7]
 
@@ -40,18 +42,41 @@ def paths(w: torch.Tensor, rows: int) -> dict[str, Callable[[torch.Tensor], torc
     return out
 
 
+GROUPS = (("q", "k", "v"), ("gate", "up"))  # projections of one input, one matmul when grouped
+
+
+def grouped(weights: dict[str, torch.Tensor], rows: int) -> list[tuple[Callable, str, int]]:
+    """(matmul, the projection whose input it takes, times per step) of the step with ``GROUPS`` as one
+    packed matmul each on their weights concatenated, the other projections packed alone."""
+    out, grouped_names = [], {n for group in GROUPS for n in group}
+    for group in GROUPS:
+        packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat([weights[n] for n in group]), rows)
+        out.append((lambda x, p=packed: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""), group[0]))
+    for name in weights.keys() - grouped_names:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weights[name], rows)
+        out.append((lambda x, p=packed: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""), name))
+    return out
+
+
 def step_seconds(model: str, rows: int, dtype: torch.dtype, reps: int, inner: int = 10) -> dict[str, float]:
     """Median seconds of one step's matmuls per path (alternating paths every rep)."""
-    cases = []
-    for out_f, in_f, times in MODELS[model].values():
-        w = torch.randn(out_f, in_f, dtype=dtype) * 0.05
-        x = torch.randn(rows, in_f, dtype=dtype)
+    cases, weights, inputs = [], {}, {}
+    for name, (out_f, in_f, times) in MODELS[model].items():
+        w = weights[name] = torch.randn(out_f, in_f, dtype=dtype) * 0.05
+        x = inputs[name] = torch.randn(rows, in_f, dtype=dtype)
         head_rows = x  # the LM head runs on the sampled rows: one per request
         cases.append((paths(w, rows), head_rows, times))
+    group_fns = grouped(weights, rows)
+    for fn, name in group_fns:  # a group computes its projections' outputs side by side
+        members = next((group for group in GROUPS if group[0] == name), (name,))
+        want = torch.cat([F.linear(inputs[name], weights[n]) for n in members], -1)
+        torch.testing.assert_close(fn(inputs[name]).float(), want.float(), rtol=2e-2, atol=2e-2)
+    for fns, _, _ in cases:
+        fns["onednn packed, grouped"] = None  # timed from group_fns below
     names = list(cases[0][0])
     for fns, x, _ in cases:  # warm-up, and a check that every path computes the same
         ref = fns["F.linear"](x)
-        for name in names:
+        for name in names[:-1]:
             got = fns[name](x)
             torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
     samples: dict[str, list[float]] = {n: [] for n in names}
@@ -59,6 +84,11 @@ def step_seconds(model: str, rows: int, dtype: torch.dtype, reps: int, inner: in
         for name in names if rep % 2 == 0 else reversed(names):
             start = time.perf_counter()
             for _ in range(inner):
+                if name == "onednn packed, grouped":
+                    for fn, proj in group_fns:
+                        for _ in range(MODELS[model][proj][2]):
+                            fn(inputs[proj])
+                    continue
                 for fns, x, times in cases:
                     for _ in range(times):
                         fns[name](x)

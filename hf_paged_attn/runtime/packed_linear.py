@@ -147,12 +147,17 @@ class RoutePackedLinears(TorchFunctionMode):
 
 
 def _weights(model: nn.Module) -> list[torch.Tensor]:
-    """The weights to pack: those of ``model``'s plain CPU linears of a packed dtype (``plain_linear``), each once; not
-    those of layers that multiply by float32 copies instead (``fp32_matmuls.install``)."""
+    """The weights to pack, each once: those of ``model``'s plain CPU linears of a packed dtype
+    (``plain_linear``); for a layer that multiplies by float32 copies instead (``fp32_matmuls.install``, a
+    CPU without bf16 matmuls), its float32 copy where float32 is packed (what frozen weights gave there)."""
     seen: dict[int, torch.Tensor] = {}
     for module in model.modules():
-        if plain_linear(module, DTYPES) and module.weight.dim() == 2 and FP32_COPIES not in module.__dict__:
-            seen.setdefault(id(module.weight), module.weight)
+        copies = module.__dict__.get(FP32_COPIES)
+        weight = copies.weight if copies is not None else getattr(module, "weight", None)
+        if copies is not None and torch.float32 not in DTYPES:
+            continue
+        if (copies is not None or plain_linear(module, DTYPES)) and weight.dim() == 2:
+            seen.setdefault(id(weight), weight)
     return list(seen.values())
 
 

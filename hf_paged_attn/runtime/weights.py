@@ -1,5 +1,5 @@
 """Whether weights changed: the one check of every copy the runtime keeps of a model's weights (the
-compiled forward's frozen graph, ``fp32_matmuls``' float32 copies, ``packed_linear``'s packed bf16 copies)."""
+compiled forward's frozen graph, ``fp32_matmuls``' float32 copies, ``packed_linear``'s packed copies)."""
 
 from __future__ import annotations
 

@@ -144,13 +144,22 @@ def fp32_matmuls_lack_bf16() -> bool:
 
 
 @needs_onednn_bf16
-def test_layers_with_float32_copies_are_not_packed() -> None:
+def test_layers_with_float32_copies_pack_their_copies(monkeypatch, counted) -> None:
     from hf_paged_attn.runtime import fp32_matmuls
 
     model = nn.Sequential(linear(), linear(seed=1))
     fp32_matmuls.install(model[0])  # multiplies by its float32 copies: a packed bf16 copy would go unused
+    copy = model[0].__dict__[fp32_matmuls.ATTR].weight
+    monkeypatch.setattr(packed_linear, "DTYPES", (BF16,))  # as on an Intel CPU: float32 is not packed
     assert packed_linear._weights(model) == [model[1].weight]
-    assert packed_linear.pack(model) == 1
+    monkeypatch.setattr(packed_linear, "DTYPES", (torch.float32, BF16))  # elsewhere: the copy is
+    assert packed_linear._weights(model) == [copy, model[1].weight]
+    assert packed_linear.pack(model) == 2
+    x = torch.randn(3, 64, dtype=BF16)
+    with torch.inference_mode(), packed_linear.RoutePackedLinears():  # the copies' F.linear, routed
+        got = model[0](x)
+    assert counted == [True]
+    torch.testing.assert_close(got, F.linear(x.float(), copy, model[0].__dict__[fp32_matmuls.ATTR].bias).to(BF16))
 
 
 @needs_onednn_bf16
