@@ -8,7 +8,7 @@ layers when they load; this module does it without touching the model, in the co
 
 - ``GroupLinears``, an inductor post-grad pass (``compiled.inductor_options``), finds the
   ``hf_paged_attn::packed_linear`` calls that share their input and replaces them with one
-  ``hf_paged_attn::packed_linear_group`` call, whose output columns are split back into the members';
+  ``hf_paged_attn::packed_linear_group`` call, whose output columns are sliced back into the members';
 - the op multiplies by one packed copy of the members' weights concatenated (``_group_copy``), made the
   first time it runs (the compile's warm-up step) from weights ``packed_linear.pack`` packed, whose
   single copies it then drops (the graph no longer reads them). Whenever a member is not exactly the
