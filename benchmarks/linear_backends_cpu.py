@@ -15,6 +15,7 @@ plus the LM head for one row per request) for each path, median of ``--reps`` al
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -43,11 +44,12 @@ def paths(w: torch.Tensor, rows: int) -> dict[str, Callable[[torch.Tensor], torc
 
 
 GROUPS = (("q", "k", "v"), ("gate", "up"))  # projections of one input, one matmul when grouped
+GROUPED = "onednn packed, grouped"
 
 
-def grouped(weights: dict[str, torch.Tensor], rows: int) -> list[tuple[Callable, str, int]]:
-    """(matmul, the projection whose input it takes, times per step) of the step with ``GROUPS`` as one
-    packed matmul each on their weights concatenated, the other projections packed alone."""
+def grouped(weights: dict[str, torch.Tensor], rows: int) -> list[tuple[Callable[[torch.Tensor], torch.Tensor], str]]:
+    """(matmul, the projection whose input it takes) for each matmul of a step with ``GROUPS`` as one packed
+    matmul each on their weights concatenated, the other projections packed alone."""
     out, grouped_names = [], {n for group in GROUPS for n in group}
     for group in GROUPS:
         packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat([weights[n] for n in group]), rows)
@@ -63,37 +65,35 @@ def step_seconds(model: str, rows: int, dtype: torch.dtype, reps: int, inner: in
     cases, weights, inputs = [], {}, {}
     for name, (out_f, in_f, times) in MODELS[model].items():
         w = weights[name] = torch.randn(out_f, in_f, dtype=dtype) * 0.05
-        x = inputs[name] = torch.randn(rows, in_f, dtype=dtype)
-        head_rows = x  # the LM head runs on the sampled rows: one per request
-        cases.append((paths(w, rows), head_rows, times))
+        x = inputs[name] = torch.randn(rows, in_f, dtype=dtype)  # the LM head's rows: one per request
+        cases.append((paths(w, rows), x, times))
+    for fns, x, _ in cases:  # warm-up, and a check that every path computes the same
+        ref = fns["F.linear"](x)
+        for fn in fns.values():
+            torch.testing.assert_close(fn(x).float(), ref.float(), rtol=2e-2, atol=2e-2)
     group_fns = grouped(weights, rows)
     for fn, name in group_fns:  # a group computes its projections' outputs side by side
         members = next((group for group in GROUPS if group[0] == name), (name,))
         want = torch.cat([F.linear(inputs[name], weights[n]) for n in members], -1)
         torch.testing.assert_close(fn(inputs[name]).float(), want.float(), rtol=2e-2, atol=2e-2)
-    for fns, _, _ in cases:
-        fns["onednn packed, grouped"] = None  # timed from group_fns below
-    names = list(cases[0][0])
-    for fns, x, _ in cases:  # warm-up, and a check that every path computes the same
-        ref = fns["F.linear"](x)
-        for name in names[:-1]:
-            got = fns[name](x)
-            torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
-    samples: dict[str, list[float]] = {n: [] for n in names}
+    # one model step of each path: every projection of every layer, the LM head once
+    steps = {name: functools.partial(_step, [(fns[name], x, times) for fns, x, times in cases])
+             for name in cases[0][0]}  # fmt: skip
+    steps[GROUPED] = functools.partial(_step, [(fn, inputs[p], MODELS[model][p][2]) for fn, p in group_fns])
+    samples: dict[str, list[float]] = {n: [] for n in steps}
     for rep in range(reps):
-        for name in names if rep % 2 == 0 else reversed(names):
+        for name in steps if rep % 2 == 0 else reversed(steps):
             start = time.perf_counter()
             for _ in range(inner):
-                if name == "onednn packed, grouped":
-                    for fn, proj in group_fns:
-                        for _ in range(MODELS[model][proj][2]):
-                            fn(inputs[proj])
-                    continue
-                for fns, x, times in cases:
-                    for _ in range(times):
-                        fns[name](x)
+                steps[name]()
             samples[name].append((time.perf_counter() - start) / inner)
     return {n: statistics.median(s) for n, s in samples.items()}
+
+
+def _step(matmuls: list[tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor, int]]) -> None:
+    for fn, x, times in matmuls:
+        for _ in range(times):
+            fn(x)
 
 
 def main() -> None:
