@@ -153,10 +153,11 @@ def _weights(model: nn.Module) -> list[torch.Tensor]:
     seen: dict[int, torch.Tensor] = {}
     for module in model.modules():
         copies = module.__dict__.get(FP32_COPIES)
-        weight = copies.weight if copies is not None else getattr(module, "weight", None)
-        if copies is not None and torch.float32 not in DTYPES:
-            continue
-        if (copies is not None or plain_linear(module, DTYPES)) and weight.dim() == 2:
+        if copies is not None:
+            weight = copies.weight if torch.float32 in DTYPES else None
+        else:
+            weight = module.weight if plain_linear(module, DTYPES) else None
+        if weight is not None and weight.dim() == 2:
             seen.setdefault(id(weight), weight)
     return list(seen.values())
 
