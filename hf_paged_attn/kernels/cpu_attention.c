@@ -50,14 +50,14 @@ typedef struct {
     float scale, softcap;
     int32_t dtype;
     int32_t num_threads;
-    int32_t isa;     /* 0: the best this CPU has; 1: portable; 2: AVX-512 (fp32 arithmetic); 3: AVX-512 BF16 */
+    int32_t isa; /* 0: the best this CPU has; 1: portable; 2: AVX2; 3: AVX-512 (fp32 arithmetic); 4: AVX-512 BF16 */
     int32_t causal;  /* prefill: bottom-right causal mask (decode is always causal) */
     int32_t cascade; /* decode: group requests that share leading blocks and read those once per group */
     int32_t num_groups; /* out: shared-prefix groups the last decode call formed (for tests and benchmarks) */
 } Args;
 
 enum { F32 = 0, BF16 = 1 };
-enum { ISA_BEST = 0, ISA_PORTABLE = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3 };
+enum { ISA_BEST = 0, ISA_PORTABLE = 1, ISA_AVX2 = 2, ISA_AVX512 = 3, ISA_AVX512BF16 = 4 };
 
 #define KC 32          /* keys per chunk */
 #define DMAX 512       /* largest head dim */
@@ -228,6 +228,9 @@ static const Kernels PORTABLE = {scores_few_portable, scores_many_portable, valu
                                  NULL, NULL, convert_chunk_portable};
 
 #include "cpu_attention_avx512.c" /* defines HAVE_X86_KERNELS, AVX512 and AVX512BF16 when the compiler can */
+#ifdef HAVE_X86_KERNELS
+#include "cpu_attention_avx2.c" /* AVX2 */
+#endif
 
 /* Whether a call takes the bf16 pairs kernels (they read pairs of dims: an even head dim). */
 static inline int32_t use_pairs(const Args *a, const Kernels *kern) {
@@ -241,6 +244,7 @@ static const Kernels *kernels_for(int32_t isa) {
     if (isa == ISA_BEST || isa > best) isa = best;
     if (isa == ISA_AVX512BF16) return &AVX512BF16;
     if (isa == ISA_AVX512) return &AVX512;
+    if (isa == ISA_AVX2) return &AVX2;
 #endif
     (void)isa;
     return &PORTABLE;
@@ -465,7 +469,7 @@ static void rows_softmax_many(Rows *r, const Args *a, int64_t pos0, int64_t n, i
  * ``always_visible``: every row sees every key of the range (no per-row mask needed). */
 static void rows_walk(Rows *r, const Args *a, const Kernels *kern, int64_t b, int64_t hk, int64_t lo, int64_t hi,
                       int32_t always_visible) {
-    const int64_t bs = a->block_size, d = a->dim, step = a->kv_heads * d;
+    const int64_t bs = a->block_size, d = a->dim;
     const int32_t pairs = use_pairs(a, kern);
     const int32_t many = r->many;
     int64_t first_masked = INT64_MAX, last_masked = INT64_MIN; /* keys [first, last] every row sees */
@@ -482,22 +486,26 @@ static void rows_walk(Rows *r, const Args *a, const Kernels *kern, int64_t b, in
     for (int64_t pos0 = lo; pos0 < hi; pos0 += KC) {
         const int64_t n = hi - pos0 < KC ? hi - pos0 : KC;
         int32_t masked = !always_visible && (pos0 < first_masked || pos0 + n - 1 > last_masked);
+        /* The page of key pos0 + t, looked up once per block (not a division per key). */
+        const size_t elem = a->dtype == F32 ? sizeof(float) : sizeof(uint16_t);
+        int64_t slot = pos0 % bs, block = block_of(a, b, pos0);
         for (int64_t t = 0; t < KC; t++) {
             const void *k = ZERO_ROW, *v = ZERO_ROW;
             r->invisible[t] = 0;
             if (t < n) {
-                const int64_t pos = pos0 + t, block = block_of(a, b, pos);
+                if (slot == bs) {
+                    slot = 0;
+                    block = block_of(a, b, pos0 + t);
+                }
                 if (block < 0) {
                     r->invisible[t] = 1;
                     masked = 1;
                 } else {
-                    const int64_t at = ((block * bs + pos % bs) * a->kv_heads + hk) * d;
-                    (void)step;
-                    k = a->dtype == F32 ? (const void *)((const float *)a->k_cache + at)
-                                        : (const void *)((const uint16_t *)a->k_cache + at);
-                    v = a->dtype == F32 ? (const void *)((const float *)a->v_cache + at)
-                                        : (const void *)((const uint16_t *)a->v_cache + at);
+                    const int64_t at = ((block * bs + slot) * a->kv_heads + hk) * d; /* elements */
+                    k = (const char *)a->k_cache + at * elem;
+                    v = (const char *)a->v_cache + at * elem;
                 }
+                slot++;
             }
             r->krow[t] = (const float *)k;
             r->vrow[t] = (const float *)v;

@@ -21,7 +21,8 @@
 
 typedef uint32_t u32_unaligned __attribute__((aligned(2), may_alias));
 
-/* ISA_* of this CPU: AVX-512 F/BW/VL/DQ with FMA and OS support for the zmm state, and AVX512_BF16. */
+/* ISA_* of this CPU: AVX2 with FMA and OS support for the ymm state; AVX-512 F/BW/VL/DQ with the zmm state too;
+ * and AVX512_BF16. */
 static int cpu_isa(void) {
     static int known = -1;
     if (known >= 0) return known;
@@ -31,9 +32,12 @@ static int cpu_isa(void) {
         unsigned lo, hi;
         __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
         const unsigned need = (1u << 5) | (1u << 16) | (1u << 17) | (1u << 30) | (1u << 31); /* AVX2 F DQ BW VL */
-        if ((lo & 0xe6) == 0xe6 && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (b & need) == need) {
-            isa = ISA_AVX512;
-            if (__get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5))) isa = ISA_AVX512BF16;
+        if ((lo & 0x6) == 0x6 && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (b & (1u << 5))) { /* ymm, AVX2 */
+            isa = ISA_AVX2;
+            if ((lo & 0xe6) == 0xe6 && (b & need) == need) {
+                isa = ISA_AVX512;
+                if (__get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5))) isa = ISA_AVX512BF16;
+            }
         }
     }
     known = isa;

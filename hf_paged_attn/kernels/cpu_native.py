@@ -10,9 +10,10 @@ the call (no C compiler, a dtype other than float32/bfloat16, a layout it does n
 * ``paged_prefill``: packed queries against each request's keys in the pages, flash-attention style.
 
 The instruction set is chosen per call from the CPU: AVX-512 BF16 pair dot products for bfloat16 where the
-CPU has them, AVX-512 (fp32 arithmetic) where it has those, else portable C that the compiler vectorises
-for the machine (AVX2 included). ``isa=`` or ``HF_PAGED_ATTN_NATIVE_ISA`` (``portable``, ``avx512``,
-``avx512bf16``) caps it, for tests and comparisons; a cap above what the CPU has means the best it has.
+CPU has them, AVX-512 (fp32 arithmetic) where it has those, AVX2 with FMA (fp32 arithmetic) on x86-64 CPUs
+without AVX-512, else portable C that the compiler vectorises for the machine. ``isa=`` or
+``HF_PAGED_ATTN_NATIVE_ISA`` (``portable``, ``avx2``, ``avx512``, ``avx512bf16``) caps it, for tests and
+comparisons; a cap above what the CPU has means the best it has.
 
 The library is compiled once per source, compiler and CPU with the system compiler (``$CC``, else ``cc``)
 at ``-O3 -march=native`` and cached in ``$HF_PAGED_ATTN_CACHE`` (default ``~/.cache/hf_paged_attn``); a
@@ -39,10 +40,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
-SOURCES = (SOURCE, SOURCE.with_name("cpu_attention_avx512.c"))  # the first includes the second
+SOURCES = (SOURCE, SOURCE.with_name("cpu_attention_avx512.c"), SOURCE.with_name("cpu_attention_avx2.c"))  # the first includes the others
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11")
 PORTABLE_ONLY = "-DHF_PAGED_ATTN_PORTABLE_ONLY"  # the retry when the compiler lacks the x86 intrinsics
-ISAS = {"best": 0, "portable": 1, "avx512": 2, "avx512bf16": 3}  # Args.isa
+ISAS = {"best": 0, "portable": 1, "avx2": 2, "avx512": 3, "avx512bf16": 4}  # Args.isa
 MAX_HEAD_DIM = 512
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # Multiply-adds of one call above which its tasks go to the kernel's thread pool (torch's thread count):

@@ -144,8 +144,9 @@ def test_the_best_isa_follows_the_cpu_flags() -> None:
     if not flags:
         pytest.skip("no /proc/cpuinfo flags")
     words = set(flags.split(":", 1)[1].split())
-    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "avx2"} <= words
-    expected = "avx512bf16" if avx512 and "avx512_bf16" in words else "avx512" if avx512 else "portable"
+    avx2 = {"fma", "avx2"} <= words
+    avx512 = avx2 and {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= words
+    expected = "avx512bf16" if avx512 and "avx512_bf16" in words else "avx512" if avx512 else "avx2" if avx2 else "portable"
     assert cpu_native.best_isa() == expected
 
 

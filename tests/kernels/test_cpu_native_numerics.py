@@ -1,7 +1,7 @@
 """The native CPU attention kernels (kernels/cpu_native.py, cpu_attention.c) against the float64 reference.
 
-Every case runs on an instruction set drawn from those the kernels have (``isa=``: the portable C, AVX-512
-with fp32 arithmetic, AVX-512 BF16 pair dot products); one above what this CPU has runs the best it has, so
+Every case runs on an instruction set drawn from those the kernels have (``isa=``: the portable C, AVX2,
+AVX-512 with fp32 arithmetic, AVX-512 BF16 pair dot products); one above what this CPU has runs the best it has, so
 ``test_the_paths_drawn_are_the_paths_run`` says which were really exercised here. float32 is held to 1e-5;
 bfloat16 to one bf16 step of the largest reference value (inputs are bf16, the reference's maths float64).
 """
@@ -21,7 +21,7 @@ from hf_paged_attn.kernels import cpu_native, reference
 pytestmark = pytest.mark.skipif(
     shutil.which("cc") is None or cpu_native.library() is None, reason="no native kernels on this machine"
 )
-ISAS = ["portable", "avx512", "avx512bf16"]
+ISAS = ["portable", "avx2", "avx512", "avx512bf16"]
 
 
 @st.composite
@@ -31,7 +31,7 @@ def layouts(draw: st.DrawFn) -> dict:
     return {
         "kv_heads": draw(st.sampled_from([1, 2])),
         "group": draw(st.sampled_from([1, 2, 3, 4, 8, 16])),
-        "head_dim": draw(st.sampled_from([64, 80, 128, 256])),
+        "head_dim": draw(st.sampled_from([64, 80, 128, 256, 36, 72])),  # 36, 72: AVX2 tails
         "block_size": draw(st.sampled_from([8, 16, 32])),
         "window_left": draw(st.sampled_from([-1, -1, w])),
         "softcap": draw(st.sampled_from([0.0, 0.0, 5.0, 30.0])),
