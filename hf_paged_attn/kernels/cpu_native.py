@@ -40,7 +40,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
-SOURCES = (SOURCE, SOURCE.with_name("cpu_attention_avx512.c"), SOURCE.with_name("cpu_attention_avx2.c"))  # the first includes the others
+# The first includes the others.
+SOURCES = (SOURCE, SOURCE.with_name("cpu_attention_avx512.c"), SOURCE.with_name("cpu_attention_avx2.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11")
 PORTABLE_ONLY = "-DHF_PAGED_ATTN_PORTABLE_ONLY"  # the retry when the compiler lacks the x86 intrinsics
 ISAS = {"best": 0, "portable": 1, "avx2": 2, "avx512": 3, "avx512bf16": 4}  # Args.isa
