@@ -109,7 +109,7 @@ def bench_decode(shape: str, dtype: torch.dtype, batch: int, context: int, old, 
     lens = torch.full((batch,), context, dtype=torch.int32)
     scale = d**-0.5
     # The same rule for both kernels: threads only above the work threshold.
-    threads = torch.get_num_threads() if batch * h * context * d > cpu_native._THREADED_WORK else 1
+    threads = torch.get_num_threads() if batch * h * context * d > cpu_native.threaded_work() else 1
 
     def new(isa: str | None = None) -> Callable[[], object]:
         return lambda: cpu_native.paged_decode(
@@ -170,7 +170,7 @@ def bench_shared_prefix(shape: str, dtype: torch.dtype, reps: int, old) -> None:
     lens = torch.full((batch,), prefix + tail, dtype=torch.int32)
     scale = d**-0.5
     info: dict = {}
-    threads = torch.get_num_threads() if batch * h * (prefix + tail) * d > cpu_native._THREADED_WORK else 1
+    threads = torch.get_num_threads() if batch * h * (prefix + tail) * d > cpu_native.threaded_work() else 1
 
     def new(shared_prefix: bool) -> Callable[[], object]:
         return lambda: cpu_native.paged_decode(

@@ -24,6 +24,7 @@ headers, so a build takes a second or two.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -48,9 +49,13 @@ ISAS = {"best": 0, "portable": 1, "avx2": 2, "avx512": 3, "avx512bf16": 4}  # Ar
 MAX_HEAD_DIM = 512
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # Multiply-adds of one call above which its tasks go to the kernel's thread pool (torch's thread count):
-# waking a sleeping worker costs ~10-50 us, which a small call does not repay. On the shared 2-core machine
-# of benchmarks/README.md a second thread cost ~10% at 1M (~0.1 ms calls) and broke even at 4M.
-_THREADED_WORK = 1 << 21
+# waking a sleeping worker costs ~10-50 us, which a small call does not repay. What pays is time, so the
+# bound follows the kernels' speed. AVX-512 (a 2-core Xeon of benchmarks/README.md): a second thread cost
+# ~10% at 1M (~0.1 ms calls) and broke even at 4M. AVX2 (a 2-core Zen 1 EPYC), decode calls read from
+# memory: 1.9M (1.37 ms) ran in 1.01 ms on two threads, 475K in 0.20 against 0.23 ms, 82K lost (0.115
+# against 0.096 ms). ``threaded_work()`` is the bound; a value set here (tests) overrides it.
+_THREADED_WORK: int | None = None
+_THREADED_WORK_BY_ISA = {"avx512": 1 << 21, "avx512bf16": 1 << 21}  # else (AVX2, portable) 1 << 18
 
 
 class _Args(ctypes.Structure):
@@ -157,6 +162,16 @@ def best_isa() -> str | None:
     return next(name for name, value in ISAS.items() if value == best)
 
 
+@functools.cache
+def _threaded_work_by_isa() -> int:
+    return _THREADED_WORK_BY_ISA.get(best_isa() or "portable", 1 << 18)
+
+
+def threaded_work() -> int:
+    """Multiply-adds of a call above which the kernels run it on torch's thread count (see above)."""
+    return _THREADED_WORK if _THREADED_WORK is not None else _threaded_work_by_isa()
+
+
 def _isa(isa: str | None) -> int:
     name = isa or os.environ.get("HF_PAGED_ATTN_NATIVE_ISA") or "best"
     if name not in ISAS:
@@ -238,7 +253,7 @@ def paged_decode(
         return None
     sinks = sinks.float().contiguous() if sinks is not None else None
     out = torch.empty(b, 1, h, d, dtype=q.dtype)
-    threads = torch.get_num_threads() if b * h * max_len * d > _THREADED_WORK else 1
+    threads = torch.get_num_threads() if b * h * max_len * d > threaded_work() else 1
     args = _Args(
         q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         _pointer(new[0] if new else None), _pointer(new[1] if new else None),
@@ -302,7 +317,7 @@ def paged_prefill(
     sinks = sinks.float().contiguous() if sinks is not None else None
     out = torch.empty(total, h, d, dtype=q.dtype)
     keys = max_seqlen_q if max_seqlen_q else total  # each query sees about its prompt's length of keys
-    threads = torch.get_num_threads() if total * h * d * keys > _THREADED_WORK else 1
+    threads = torch.get_num_threads() if total * h * d * keys > threaded_work() else 1
     args = _Args(
         q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), None, None,
         seqused_k.data_ptr(), cu_seqlens_q.data_ptr(), block_table.data_ptr(), _pointer(sinks),
