@@ -74,6 +74,22 @@ def test_threads_split_the_work_exactly(dtype: torch.dtype, monkeypatch: pytest.
     assert one is not None and torch.equal(one, many)
 
 
+@pytest.mark.parametrize(("isa", "bound"), [("avx512bf16", 1 << 21), ("avx512", 1 << 21), ("avx2", 1 << 18),
+                                            ("portable", 1 << 18), (None, 1 << 18)])  # fmt: skip
+def test_the_threading_bound_follows_the_kernels_speed(
+    isa: str | None, bound: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Slower kernels (AVX2, portable, none) go to the thread pool at less work; a set bound wins."""
+    monkeypatch.setattr(cpu_native, "best_isa", lambda: isa)
+    cpu_native._threaded_work_by_isa.cache_clear()
+    try:
+        assert cpu_native.threaded_work() == bound
+        monkeypatch.setattr(cpu_native, "_THREADED_WORK", 7)
+        assert cpu_native.threaded_work() == 7
+    finally:
+        cpu_native._threaded_work_by_isa.cache_clear()
+
+
 @needs_compiler
 def test_a_missing_block_for_the_new_token_raises_and_writes_nothing() -> None:
     case = _case(2)
