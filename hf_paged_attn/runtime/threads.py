@@ -8,8 +8,9 @@ small model, while the 30M model's float32 prefill needs both cores. With a shor
 (``GOMP_SPINCOUNT``) the second thread pays off on a quiet machine, and loses 1.5x when another
 process holds the core. No fixed rule covers every model, dtype, step size and machine load, so the
 engine measures: ``ThreadTuner`` times the steps of each size bucket with each candidate count,
-alternating, keeps the faster (median of ``TRIALS``), and measures again every ``REMEASURE_STEPS``
-steps of the bucket, since the machine's load changes.
+alternating, keeps the faster (median of ``TRIALS``; sooner when one is clearly faster in every step,
+``EARLY_TRIALS``), and measures again every ``REMEASURE_STEPS`` steps of the bucket, since the
+machine's load changes.
 
 ``ThreadTunedExecutor`` wraps the engine's executor (the seam of ``executor.py``): the chosen count
 holds for the step's forward only, and the caller's count is back after it. ``torch.set_num_threads``
@@ -32,6 +33,11 @@ import torch
 from ..attention.step import StepMetadata
 
 TRIALS = 5  # timed steps per candidate before a bucket decides
+# A bucket decides sooner, after EARLY_TRIALS steps of each candidate, when one candidate's slowest step
+# beat every other's fastest by CLEAR_MARGIN: a step size that comes twice a run (the 30M model's 129-256
+# token steps) would otherwise alternate for many runs, at 360 ms a step on one thread against 197 on two.
+EARLY_TRIALS = 2
+CLEAR_MARGIN = 1.25
 REMEASURE_STEPS = 256  # steps of a bucket after which it measures its candidates again
 
 
@@ -83,6 +89,19 @@ class ThreadTuner:
             state.samples[threads].append(seconds)
         if all(len(times) >= self.trials for times in state.samples.values()):
             state.choice = min(self.candidates, key=lambda c: statistics.median(state.samples[c]))
+        else:
+            state.choice = self._clear_winner(state)
+
+    @staticmethod
+    def _clear_winner(state: Bucket) -> int | None:
+        """The candidate whose slowest step beat every other's fastest by ``CLEAR_MARGIN``, once each
+        has ``EARLY_TRIALS`` steps; else None."""
+        samples = state.samples
+        if any(len(times) < EARLY_TRIALS for times in samples.values()):
+            return None
+        best = min(samples, key=lambda c: max(samples[c]))
+        others = [min(times) for c, times in samples.items() if c != best]
+        return best if all(max(samples[best]) * CLEAR_MARGIN < fastest for fastest in others) else None
 
     def reset(self) -> None:
         """Forget every measurement (the forward changed: e.g. the compiled graph took over)."""

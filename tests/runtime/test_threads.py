@@ -53,6 +53,19 @@ def test_the_tuner_alternates_then_keeps_the_faster_median() -> None:
     assert tuner.choices() == {} and tuner.buckets == {}
 
 
+def test_a_clear_winner_decides_after_two_steps_each() -> None:
+    """One thread 1.8x slower in every step: the bucket decides after EARLY_TRIALS steps of each, not TRIALS."""
+    tuner = ThreadTuner((1, 2), trials=5)
+    for threads, seconds in ((1, 0.36), (2, 0.20), (1, 0.35), (2, 0.19)):
+        assert tuner.choose(200) == threads
+        tuner.record(200, threads, seconds)
+    assert tuner.choices() == {8: 2}
+    close = ThreadTuner((1, 2), trials=5)  # within the margin: it keeps measuring
+    for threads, seconds in ((1, 0.22), (2, 0.20), (1, 0.21), (2, 0.19)):
+        close.record(200, threads, seconds)
+    assert close.choices() == {}
+
+
 def test_the_tuner_refuses_bad_candidates() -> None:
     for bad in ((), (0, 2), (1, 2.0)):
         with pytest.raises(ValueError, match="candidates must be positive ints"):
