@@ -470,6 +470,7 @@ static void rows_softmax_many(Rows *r, const Args *a, int64_t pos0, int64_t n, i
 static void rows_walk(Rows *r, const Args *a, const Kernels *kern, int64_t b, int64_t hk, int64_t lo, int64_t hi,
                       int32_t always_visible) {
     const int64_t bs = a->block_size, d = a->dim;
+    const size_t elem = a->dtype == F32 ? sizeof(float) : sizeof(uint16_t);
     const int32_t pairs = use_pairs(a, kern);
     const int32_t many = r->many;
     int64_t first_masked = INT64_MAX, last_masked = INT64_MIN; /* keys [first, last] every row sees */
@@ -487,7 +488,6 @@ static void rows_walk(Rows *r, const Args *a, const Kernels *kern, int64_t b, in
         const int64_t n = hi - pos0 < KC ? hi - pos0 : KC;
         int32_t masked = !always_visible && (pos0 < first_masked || pos0 + n - 1 > last_masked);
         /* The page of key pos0 + t, looked up once per block (not a division per key). */
-        const size_t elem = a->dtype == F32 ? sizeof(float) : sizeof(uint16_t);
         int64_t slot = pos0 % bs, block = block_of(a, b, pos0);
         for (int64_t t = 0; t < KC; t++) {
             const void *k = ZERO_ROW, *v = ZERO_ROW;
