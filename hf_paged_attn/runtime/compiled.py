@@ -3,13 +3,14 @@ compiles its models, with the paged attention left to the compiler as one opaque
 
 ``CompiledExecutor`` wraps a ``LocalExecutor``. One graph serves every step: its token count is
 dynamic (``run_graph``), as vLLM's is (bucketing, one static graph per padded size, compiled 5
-graphs in 94 s where the dynamic one took 40 s, and static shapes make inductor pick MKL's slow
-fp32 matmuls here: benchmarks/README.md). The compile runs in a background thread on a step of
-padding rows (``CompiledModel.start``, logged), so no request waits for it: steps run eagerly until
-the graph is ready. It starts once the model has run ``COMPILE_AFTER_STEPS`` steps (a short script
-never compiles), and a process that exits while it runs waits for it to end (an interpreter torn
-down under it aborted the process). It is kept per model (``compiled_model``): a second engine (a second
-``model.generate``) on the same model compiles nothing.
+graphs in 94 s where the dynamic one took 40 s, and static shapes make inductor pick MKL's slow fp32
+matmuls here: benchmarks/README.md), and so is its thread count (``STEP_THREADS``). The compile runs
+in a background thread on a step of padding rows (``CompiledModel.start``, logged), so no request
+waits for it: steps run eagerly until the graph is ready. It starts once the model has run
+``COMPILE_AFTER_STEPS`` steps (a short script never compiles), and a process that exits while it
+runs waits for it to end (an interpreter torn down under it aborted the process). It is kept per
+model (``compiled_model``): a second engine (a second ``model.generate``) on the same model compiles
+nothing.
 
 What the graph sees:
 
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import contextvars
 import functools
 import logging
 import os
@@ -84,14 +86,49 @@ FREEZE_ENV = "HF_PAGED_ATTN_FREEZE"
 
 def inductor_options() -> dict[str, object]:
     """The compiled forward's inductor options: no ``freezing`` unless ``$HF_PAGED_ATTN_FREEZE`` is 1, the
-    packed projections grouped (see above)."""
-    return {"freezing": os.environ.get(FREEZE_ENV, "") == "1", "post_grad_custom_pre_pass": linear_groups.GROUP_LINEARS}
+    packed projections grouped (see above), and kernels that take the thread count at run time
+    (``cpp.dynamic_threads``: one graph serves every count, see ``STEP_THREADS``)."""
+    return {"freezing": os.environ.get(FREEZE_ENV, "") == "1", "post_grad_custom_pre_pass": linear_groups.GROUP_LINEARS,
+            "cpp.dynamic_threads": True}  # fmt: skip
 
 
 INDUCTOR_OPTIONS: dict[str, object] = inductor_options()
 WARMUP_ROWS = 16  # the compile's example step (oneDNN packs the weights for about this many rows)
 RECOMPILE_LIMIT = 64  # dynamo's graphs per code object: every model compiles the same function
 SKIP_GUARDS = os.environ.get("HF_PAGED_ATTN_SKIP_GUARDS", "1") != "0"
+
+
+# The thread count the running compiled step wants, where it differs from the count its graph was compiled
+# at. Dynamo guards on torch's thread count (its global-state guard), so a graph compiled at two threads
+# would be traced and compiled again for a one-thread step (``threads.ThreadTunedExecutor`` alternates
+# them): 5-25 s more of start-up on the 2-core machines of benchmarks/README.md. Instead ``run_graph``
+# enters the graph at the compiled count and ``_backend``'s wrapper, past dynamo's guards, sets the
+# step's count for the graph's body: its matmuls and the attention op read torch's count at every call,
+# and its inductor kernels read OpenMP's (``cpp.dynamic_threads``).
+STEP_THREADS: contextvars.ContextVar[int | None] = contextvars.ContextVar("hf_paged_attn_step_threads", default=None)
+
+
+def _backend(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> Callable[..., object]:
+    """Inductor (``compile_fx``, as ``backend="inductor"`` runs it), its compiled function run with the
+    step's thread count (``STEP_THREADS``) and the compiled count restored after it."""
+    from torch._inductor.compile_fx import compile_fx
+
+    inner = compile_fx(gm, example_inputs)
+
+    def run(*args: object) -> object:
+        want = STEP_THREADS.get()
+        if want is None:
+            return inner(*args)
+        graph_threads = torch.get_num_threads()
+        torch.set_num_threads(want)
+        try:
+            return inner(*args)
+        finally:
+            torch.set_num_threads(graph_threads)
+
+    if getattr(inner, "_boxed_call", False):  # inner takes its arguments as one list: so does run
+        run._boxed_call = True  # type: ignore[attr-defined]
+    return run
 
 
 FX_TRACE_LOCK = threading.RLock()  # held by a torch.fx trace, and by every eager step of a CompiledExecutor
@@ -180,17 +217,15 @@ class CompiledModel:
     failed: str | None = None  # why the compile failed: then this model runs eagerly
     compile_seconds: float = 0.0
     num_compiles: int = 0
+    threads: int = 0  # torch's thread count the graph was compiled at (every step enters it at that count)
     num_eager_steps: int = 0  # steps run eagerly before the graph was ready, by every engine on the model
     lock: threading.Lock = field(default_factory=threading.Lock)
     pack: bool = False  # the graph runs the bf16 linears on oneDNN-packed weights (``packed_linear``)
     model: weakref.ReferenceType[torch.nn.Module] | None = None
 
     def start(self, device: torch.device, thread_counts: Sequence[int] = ()) -> None:
-        """Compile in the background, once (later calls do nothing), one graph for each of
-        ``thread_counts`` (default the caller's count). Dynamo guards on the thread count and inductor
-        builds each graph's kernels for its compiling thread's count, so every count a step will run
-        with (``threads.ThreadTunedExecutor``'s candidates) is compiled here, not on the engine's thread
-        at the first step that uses it."""
+        """Compile in the background, once (later calls do nothing), one graph at the largest of
+        ``thread_counts`` (default the caller's count), which serves steps of every count (``STEP_THREADS``)."""
         with self.lock:
             if self.thread is not None:
                 return
@@ -216,9 +251,9 @@ class CompiledModel:
             with torch.inference_mode():  # as the engine's steps are: dynamo guards on inference tensors
                 ids = torch.zeros(1, WARMUP_ROWS, dtype=torch.long, device=device)
                 positions, indices = ids.clone(), torch.arange(2, device=device)
-            for num_threads in thread_counts:
-                torch.set_num_threads(num_threads)
-                run_graph(self, CompiledStep(None, None, self.modules, 0), ids, positions, indices)
+            self.threads = max(thread_counts)
+            torch.set_num_threads(self.threads)
+            run_graph(self, CompiledStep(None, None, self.modules, 0), ids, positions, indices)
         except Exception as exc:
             self.failed = f"{type(exc).__name__}: {exc}"
             if _EXITING:
@@ -282,7 +317,8 @@ def compiled_model(model: torch.nn.Module, windows: list[int | None]) -> Compile
         return out.logits[0]
 
     tensors = [*model.parameters(), *model.buffers()]
-    found = _MODELS[model] = CompiledModel(torch.compile(forward), modules, tensors, pack=pack, model=model_ref)
+    graph = torch.compile(forward, backend=_backend)
+    found = _MODELS[model] = CompiledModel(graph, modules, tensors, pack=pack, model=model_ref)
     return found
 
 
@@ -296,7 +332,8 @@ def run_graph(
 ) -> torch.Tensor:
     """The compiled forward on [1, M] ids and positions (M >= 2, ``step.num_tokens`` of them real) and
     ``logits_indices`` [S >= 2]: logits [S, vocab] as the model returns them. The token and sampled
-    counts are dynamic: dynamo specialises sizes 0 and 1, which callers pad away."""
+    counts are dynamic: dynamo specialises sizes 0 and 1, which callers pad away. The graph runs with
+    torch's thread count at the call, whatever count it was compiled at (``STEP_THREADS``)."""
     torch._dynamo.maybe_mark_dynamic(input_ids, 1)
     torch._dynamo.maybe_mark_dynamic(position_ids, 1)
     torch._dynamo.maybe_mark_dynamic(logits_indices, 0)
@@ -305,6 +342,11 @@ def run_graph(
     skip = SKIP_GUARDS and compiled.ready.is_set()
     stance = torch.compiler.set_stance("default", skip_guard_eval_unsafe=True) if skip else contextlib.nullcontext()
     token = COMPILED_STEP.set(step)
+    want = torch.get_num_threads()
+    threads_token = None
+    if compiled.threads and want != compiled.threads:  # enter at the compiled count; the graph runs at ``want``
+        torch.set_num_threads(compiled.threads)
+        threads_token = STEP_THREADS.set(want)
     try:
         with torch._inductor.config.patch(INDUCTOR_OPTIONS):
             try:
@@ -317,6 +359,9 @@ def run_graph(
                 return compiled.forward(input_ids, position_ids, logits_indices)
     finally:
         COMPILED_STEP.reset(token)
+        if threads_token is not None:
+            STEP_THREADS.reset(threads_token)
+            torch.set_num_threads(want)
 
 
 def wait_compiled(model: torch.nn.Module, timeout: float | None = None) -> bool:
@@ -343,7 +388,7 @@ class CompiledExecutor:
         self.num_compiled_steps = 0
         self.num_padded_steps = 0
         # The thread counts its steps run with (``threads.ThreadTunedExecutor`` tries 1 and the engine's):
-        # the compile makes a graph for each, and takes none from a step that happens to run it.
+        # the compile makes one graph at the largest, which runs steps of each (``STEP_THREADS``).
         self.thread_counts = tuple(thread_counts) or (torch.get_num_threads(),)
 
     @property

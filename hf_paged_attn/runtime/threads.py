@@ -16,9 +16,10 @@ machine's load changes.
 holds for the step's forward only, and the caller's count is back after it. ``torch.set_num_threads``
 is process-wide, though: another thread whose first torch op falls inside a one-thread step starts
 with one thread (a server's handler threads, say; they do little torch work). oneDNN and the native
-attention kernel read the count at every call; dynamo guards on it and inductor builds each graph's
-kernels for one count, so the compiled forward has a graph per candidate, all compiled in the
-background (``CompiledExecutor.thread_counts``).
+attention kernel read the count at every call, and so do the compiled forward's inductor kernels
+(``cpp.dynamic_threads``); dynamo guards on it, so the compiled forward has one graph, compiled at the
+largest candidate, which every step enters at that count and runs at its own
+(``compiled.STEP_THREADS``).
 """
 
 from __future__ import annotations
