@@ -4,7 +4,8 @@ process, calls interleaved round-robin so that the machine's load falls on every
 * decode: the previous native decode kernel (``cpu_decode.c`` at git revision ``--old-rev``, built here)
   against the new one, and the new one capped to its portable kernels;
 * prefill: ``cpu_native.paged_prefill`` against the torch backend's ``paged_prefill_attention`` with the
-  native kernel off (every prefilling request's keys gathered from the pages, then SDPA);
+  native kernel off (every prefilling request's keys gathered from the pages, then SDPA), and "chosen":
+  ``paged_prefill_attention`` as the engine calls it (native, or gathered where ``sdpa_prefill_wins``);
 * shared-prefix decode: 64 requests on one 512-token prefix, 32-token tails each, with and without the
   grouping (and the torch backend's own cascade, native off, for reference).
 
@@ -150,9 +151,16 @@ def bench_prefill(shape: str, dtype: torch.dtype, name: str, q_lens: list[int], 
             q, k_cache, v_cache, cu_q, used, table, scale, -1, 0.0, None, max(q_lens), isa=isa
         )
 
-    ms = compare({"gather+SDPA": gathered, "native": native(), "portable": native("portable")}, reps)
+    chosen_memo: dict = {}  # as the engine's layers share one step's plan (and the choice)
+
+    def chosen() -> object:  # what the engine runs: native, or gathered where it loses (sdpa_prefill_wins)
+        return torch_backend.paged_prefill_attention(q, k_cache, v_cache, cu_q, used, table, max(q_lens),
+                                                     softmax_scale=scale, memo=chosen_memo)  # fmt: skip
+
+    fns = {"gather+SDPA": gathered, "native": native(), "portable": native("portable"), "chosen": chosen}
+    ms = compare(fns, reps)
     print(f"prefill {shape:8s} {str(dtype)[6:]:8s} {name:28s} gather+SDPA {ms['gather+SDPA']:8.3f}"
-          f"  native {ms['native']:8.3f}  portable {ms['portable']:8.3f}"
+          f"  native {ms['native']:8.3f}  portable {ms['portable']:8.3f}  chosen {ms['chosen']:8.3f}"
           f"  gather/native {ms['gather+SDPA'] / ms['native']:5.2f}x")  # fmt: skip
 
 
@@ -224,6 +232,7 @@ def main() -> None:
             bench_prefill(shape, dtype, "4 prompts x 128", [128] * 4, [128] * 4, opts.reps)
             bench_prefill(shape, dtype, "1 prompt x 2048", [2048], [2048], opts.reps)
             bench_prefill(shape, dtype, "256-token chunk, 1024 cached", [256], [1280], opts.reps)
+            bench_prefill(shape, dtype, "128-token chunk, 896 cached", [128], [1024], opts.reps)
             bench_prefill(shape, dtype, "6 prompts of mixed lengths", [17, 60, 128, 200, 311, 90],
                           [17, 60, 128, 200, 311, 90], opts.reps)  # fmt: skip
     for shape in shapes:

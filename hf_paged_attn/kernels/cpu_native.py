@@ -172,6 +172,38 @@ def threaded_work() -> int:
     return _THREADED_WORK if _THREADED_WORK is not None else _threaded_work_by_isa()
 
 
+# Where the native prefill loses to gathering the pages into SDPA, whose flash kernel multiplies in blocked
+# GEMMs (``torch_backend.paged_prefill_attention`` then gathers): with AVX2 or portable kernels, a chunk of
+# queries over a longer cached context and a very long prompt. One request, the 30M model's heads (8 / 2 KV,
+# D 64), 2 threads, on a Zen 1 EPYC (benchmarks/README.md, twelfth session), gathered / native time:
+# 64 queries over 2,048 keys 0.85 (fp32) / 0.75 (bf16), 128 over 1,024 0.87 / 0.82, 256 over 768
+# 0.93 / 0.82, 256 over 1,024 0.85 / 0.84, 2,048 over 2,048 0.81 / 0.78; and the native kernel ahead at
+# 512 over 512 (1.46 / 1.32), even at 64 over 1,024, 512 over 1,024 and 1,024 over 1,024 (0.92-1.07).
+# The AVX-512 kernels were not measured against it and keep every call.
+SDPA_MIN_QUERIES = 64  # fewer queries a request: native (decode-like rows, speculative verification)
+SDPA_MIN_KEYS = 768  # a chunk over at least this many keys, and more than twice its queries ...
+SDPA_LONG_PROMPT = 1536  # ... or at least this many queries
+
+
+def sdpa_prefill_wins(q_lens: list[int], k_lens: list[int], isa: str | None = None) -> bool:
+    """Whether gathering into SDPA beats the native prefill for a call whose requests have ``q_lens``
+    queries over ``k_lens`` visible keys (see above): when the requests where it wins hold most of the
+    call's query x key work, and the kernels in use are AVX2 or portable ones."""
+    best = best_isa()
+    if best is None:
+        return False
+    cap = _isa(isa)
+    if min(cap or ISAS[best], ISAS[best]) >= ISAS["avx512"]:
+        return False
+    favoured = total = 0
+    for q, k in zip(q_lens, k_lens):
+        work = q * k
+        total += work
+        if q >= SDPA_MIN_QUERIES and ((k >= SDPA_MIN_KEYS and k > 2 * q) or q >= SDPA_LONG_PROMPT):
+            favoured += work
+    return 2 * favoured > total
+
+
 def _isa(isa: str | None) -> int:
     name = isa or os.environ.get("HF_PAGED_ATTN_NATIVE_ISA") or "best"
     if name not in ISAS:

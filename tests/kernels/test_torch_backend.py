@@ -487,3 +487,60 @@ def test_write_kv_writes_exactly_the_slots() -> None:
     for i, slot in enumerate(slots.tolist()):
         before_k[slot // 4, slot % 4], before_v[slot // 4, slot % 4] = k[i], v[i]
     assert torch.equal(k_cache, before_k) and torch.equal(v_cache, before_v)
+
+
+def test_sdpa_prefill_wins_only_for_long_rectangles_without_avx512(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rule of ``cpu_native.sdpa_prefill_wins``: with AVX2 (or portable) kernels, a call goes to SDPA
+    when requests with a chunk over a long context, or a very long prompt, hold most of its work; never with
+    AVX-512 kernels (unless capped below them), nor without the library."""
+    from hf_paged_attn.kernels import cpu_native
+
+    monkeypatch.delenv("HF_PAGED_ATTN_NATIVE_ISA", raising=False)
+    monkeypatch.setattr(cpu_native, "best_isa", lambda: "avx2")
+    wins = cpu_native.sdpa_prefill_wins
+    assert wins([64], [2048]) and wins([128], [1024]) and wins([256], [768]) and wins([2048], [2048])
+    assert not wins([512], [512]) and not wins([1024], [1024]) and not wins([512], [1024])
+    assert not wins([32], [4096])  # too few queries: decode-like rows stay native
+    assert wins([2048, 16, 1], [2048, 16, 900])  # the long prompt holds most of the work
+    assert not wins([128, 512], [1024, 512])  # 131K favoured against 262K not
+    assert not wins([], [])
+    monkeypatch.setattr(cpu_native, "best_isa", lambda: "avx512")
+    assert not wins([2048], [2048])
+    assert wins([2048], [2048], isa="avx2")
+    monkeypatch.setenv("HF_PAGED_ATTN_NATIVE_ISA", "portable")
+    assert wins([2048], [2048])
+    monkeypatch.setattr(cpu_native, "best_isa", lambda: None)
+    assert not wins([2048], [2048])
+
+
+@pytest.mark.parametrize(("q_len", "k_len", "native_calls"), [(96, 1024, 0), (200, 200, 2)])
+def test_paged_prefill_sends_long_chunks_to_sdpa_on_avx2(
+    q_len: int, k_len: int, native_calls: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With AVX2 kernels a 96-query chunk over 1,024 keys is gathered into SDPA (once decided, for every
+    layer of the step), a 200-token prompt runs natively; both equal the reference, and a window counts
+    only the keys it lets the queries see."""
+    from hf_paged_attn.kernels import cpu_native
+
+    if cpu_native.library() is None:
+        pytest.skip("the native kernels are unavailable here")
+    monkeypatch.setattr(cpu_native, "best_isa", lambda: "avx2")
+    calls = []
+    native = cpu_native.paged_prefill
+    monkeypatch.setattr(cpu_native, "paged_prefill", lambda *a, **k: calls.append(1) or native(*a, **k))
+    gen = torch.Generator().manual_seed(3)
+    h_kv, d, h = 2, 32, 4
+    k_cache, v_cache, table, ks, vs = _paged_case(gen, [k_len], 16, h_kv, d, 1, torch.float32)
+    q = _randn(gen, q_len, h, d)  # [total_q, H, D]
+    cu_q, seqused, memo = _cu([q_len]), torch.tensor([k_len], dtype=torch.int32), {}
+    for _ in range(2):  # two layers of one step
+        out = torch_backend.paged_prefill_attention(q, k_cache, v_cache, cu_q, seqused, table, softmax_scale=d**-0.5,
+                                                    memo=memo)  # fmt: skip
+    assert len(calls) == native_calls
+    expected = reference.varlen_reference(q, torch.cat(ks), torch.cat(vs), cu_q, _cu([k_len]), softmax_scale=d**-0.5)
+    torch.testing.assert_close(out, expected, **TOL)
+    # a window of 128 keys: the chunk sees at most 96 + 128 of them, not a long context: native
+    calls.clear()
+    torch_backend.paged_prefill_attention(q, k_cache, v_cache, cu_q, seqused, table, softmax_scale=d**-0.5,
+                                          window_size=(128, 0), memo={})  # fmt: skip
+    assert len(calls) == 1

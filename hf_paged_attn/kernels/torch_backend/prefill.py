@@ -1,9 +1,10 @@
 """The torch backend's varlen path, reading the pages (the cache writes a step's new K/V with
 ``write_kv``). On CPU the native kernel (``cpu_native.paged_prefill``) attends every request in
-place, tiled flash-attention style. Where it can't run (no C compiler, float16,
-``HF_PAGED_ATTN_NATIVE=0``, CUDA), requests that feed one token in a mixed step are attended by the
-native decode kernel if it can, and the prefilling requests' visible keys are gathered from the
-pages and attended by ``varlen_attention``.
+place, tiled flash-attention style, except for the calls that SDPA runs faster from gathered pages
+(``cpu_native.sdpa_prefill_wins``: long chunks and prompts with AVX2 or portable kernels). Where it
+can't run (no C compiler, float16, ``HF_PAGED_ATTN_NATIVE=0``, CUDA), requests that feed one token
+in a mixed step are attended by the native decode kernel if it can, and the prefilling requests'
+visible keys are gathered from the pages and attended by ``varlen_attention``.
 """
 
 from __future__ import annotations
@@ -76,6 +77,21 @@ def _paged_varlen_plan(
     return plan
 
 
+def _sdpa_wins(cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, window_left: int, memo: dict | None) -> bool:
+    """``cpu_native.sdpa_prefill_wins`` for this call's requests (their visible keys: the window's, if
+    any), once per forward and window."""
+    key = ("sdpa_prefill_wins", window_left)
+    found = memo.get(key) if memo is not None else None
+    if found is None:
+        cu_q, used = cu_seqlens_q.tolist(), seqused_k.tolist()
+        q_lens = [b - a for a, b in zip(cu_q, cu_q[1:])]
+        k_lens = [min(k, q + window_left) if window_left >= 0 else k for q, k in zip(q_lens, used)]
+        found = cpu_native.sdpa_prefill_wins(q_lens, k_lens)
+        if memo is not None:
+            memo[key] = found
+    return found
+
+
 def paged_prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -99,7 +115,8 @@ def paged_prefill_attention(
     ``max_seqlen_k`` is accepted for the protocol only. ``memo``: the forward's dict, as in
     ``paged_decode_attention``. Returns [total_q, H, D] in q.dtype."""
     # The native kernel ignores the right side of a window, which only a non-causal call sees.
-    if q.device.type == "cpu" and (causal or window_size[1] < 0):
+    if q.device.type == "cpu" and (causal or window_size[1] < 0) and not _sdpa_wins(cu_seqlens_q, seqused_k,
+                                                                                    window_size[0], memo):
         if max_seqlen_q is None:
             max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if cu_seqlens_q.numel() > 1 else 0
         out = cpu_native.paged_prefill(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, softmax_scale,
