@@ -54,8 +54,11 @@ def paged_attention_forward(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if context is COMPILED:  # traced by torch.compile: the attention is one opaque op
         window = sliding_window or (attention_mask.size if isinstance(attention_mask, PagedWindow) else 0)
-        layer_idx = module.layer_idx
-        out = torch.ops.hf_paged_attn.step_attention(query, key, value, layer_idx, scale, window, softcap or 0.0, s_aux)
+        # The layer's index as a tensor where the compile gave the module one (``LAYER_INDEX``): a graph input,
+        # so that every layer's traced graph is the same and dynamo traces the layer once (``compiled.py``).
+        layer = getattr(module, LAYER_INDEX, None)
+        layer = layer if layer is not None else torch.tensor(module.layer_idx)
+        out = torch.ops.hf_paged_attn.step_attention(query, key, value, layer, scale, window, softcap or 0.0, s_aux)
         return out, None
     context = context or ACTIVE_FORWARD.get()
     if context is None:
@@ -172,12 +175,16 @@ class CompiledStep:
 COMPILED_STEP: contextvars.ContextVar[CompiledStep | None] = contextvars.ContextVar("compiled_step", default=None)
 
 
+# The buffer (a 0-dim int64 tensor) ``compiled.compiled_model`` gives each attention module.
+LAYER_INDEX = "hf_paged_layer_idx"
+
+
 @torch.library.custom_op("hf_paged_attn::step_attention", mutates_args=())
 def step_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    layer_idx: int,
+    layer: torch.Tensor,
     scaling: float,
     sliding_window: int,
     softcap: float,
@@ -186,9 +193,11 @@ def step_attention(
     """One layer's paged attention of a compiled step, opaque to the compiler. query: [1, H, M, D];
     key/value: [1, H_kv, M, D] (``M`` >= the step's real rows; padding rows after them). Runs the
     eager path (cache write, kernel) on the real rows; padding rows come back zero and never touch
-    the cache. Returns [1, M, H, D_v], contiguous. ``sliding_window``/``softcap``: 0 for none."""
+    the cache. Returns [1, M, H, D_v], contiguous. ``layer``: the layer's index, a 0-dim tensor (an input
+    of the graph, not a constant of it: ``LAYER_INDEX``). ``sliding_window``/``softcap``: 0 for none."""
     step = COMPILED_STEP.get()
     assert step is not None, "hf_paged_attn::step_attention runs only inside a compiled step"
+    layer_idx = int(layer)
     n, rows = step.num_tokens, query.shape[2]
     if n == 0:  # a compile's example step: padding rows only
         return query.new_zeros(1, rows, query.shape[1], value.shape[-1])
@@ -207,5 +216,5 @@ def step_attention(
 
 
 @step_attention.register_fake
-def _(query, key, value, layer_idx, scaling, sliding_window, softcap, s_aux):  # noqa: ANN001, ANN202
+def _(query, key, value, layer, scaling, sliding_window, softcap, s_aux):  # noqa: ANN001, ANN202
     return query.new_empty(1, query.shape[2], query.shape[1], value.shape[-1])

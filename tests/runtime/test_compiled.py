@@ -16,11 +16,19 @@ import torch
 
 import hf_paged_attn  # noqa: F401  (registers "paged")
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
+from hf_paged_attn.attention.function import LAYER_INDEX
 from hf_paged_attn.runtime import compiled as compiled_module
 from hf_paged_attn.runtime.compiled import CompiledExecutor
 from hf_paged_attn.runtime.config import COMPILE_ENV
 from hf_paged_attn.runtime.executor import LocalExecutor, LocalLauncher
-from hf_paged_attn_tools.testing import compare_greedy, load_pair, ragged_prompts, reference_greedy
+from hf_paged_attn_tools.testing import (
+    compare_greedy,
+    load_pair,
+    ragged_prompts,
+    reference_greedy,
+    save_random_model,
+    tiny_llama_config,
+)
 
 CPU = torch.device("cpu")
 ON = PagedConfig(num_blocks=64, compile=True)
@@ -122,6 +130,62 @@ def test_a_failed_compile_falls_back_to_eager(llama_dir, monkeypatch, caplog) ->
             assert "injected compile failure" in engine.executor.failed
             assert engine.executor.num_compiled_steps == 0
     assert "steps run eagerly" in caplog.text
+    assert not compare_greedy(ref, prompts, expected, got)
+
+
+def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return list(model.model.layers)
+
+
+def test_decoder_layers_are_traced_once_and_stamped_out(tmp_path) -> None:
+    """A model of a shape no other test compiles (so dynamo traces it here): its three decoder layers go
+    through one nested compile region, traced for the first layer and stamped out for the other two
+    (dynamo's own timings count each), the attention op takes each layer's index as a tensor (each layer
+    reads its own cache), and the tokens equal sdpa's. Eagerly, the layers run their own forward."""
+    directory = save_random_model(tiny_llama_config(num_hidden_layers=3, intermediate_size=96),
+                                  tmp_path / "three-layers")  # fmt: skip
+    ref, paged = load_pair(directory)
+    prompts = ragged_prompts(4, 3, 24, seed=21)
+    expected = greedy(ref, prompts, 10)
+    metrics = torch._dynamo.utils.compilation_time_metrics
+    traced = len(metrics.get("invoke_subgraph_trace", []))
+    stamped = len(metrics.get("invoke_subgraph_reuse_stamp_out", []))
+    with ContinuousBatchingEngine(paged, ON) as engine:
+        compiled = getattr(engine.executor, "inner", engine.executor).compiled
+        assert compiled.regions == _layers(paged)
+        assert all("forward" in layer.__dict__ for layer in _layers(paged))
+        assert [int(getattr(layer.self_attn, LAYER_INDEX)) for layer in _layers(paged)] == [0, 1, 2]
+        assert engine.executor.wait(timeout=600) and engine.executor.failed is None
+        got = run(engine, prompts, 10)
+        assert engine.executor.num_compiled_steps > 5
+    assert len(metrics.get("invoke_subgraph_trace", [])) - traced == 1
+    assert len(metrics.get("invoke_subgraph_reuse_stamp_out", [])) - stamped == 2
+    assert LAYER_INDEX not in paged.state_dict()  # not saved with the model
+    assert not compare_greedy(ref, prompts, expected, got)
+
+
+def test_a_compile_that_fails_with_regions_retries_without(tmp_path, monkeypatch, caplog) -> None:
+    """A region dynamo can't take (here one with a graph break: the whole layer would run eagerly) costs the
+    regions, not the compile: the layers get their own forwards back and the graph traces them whole."""
+
+    def breaks(layer, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        torch._dynamo.graph_break()
+        return compiled_module._region_body(layer, *args, **kwargs)
+
+    monkeypatch.setattr(compiled_module, "_REGION", torch.compiler.nested_compile_region(breaks))
+    directory = save_random_model(tiny_llama_config(intermediate_size=72),
+                                  tmp_path / "refused")  # fmt: skip
+    ref, paged = load_pair(directory)
+    prompts = ragged_prompts(3, 3, 20, seed=22)
+    expected = greedy(ref, prompts, 8)
+    with caplog.at_level(logging.WARNING, logger=compiled_module.__name__):
+        with ContinuousBatchingEngine(paged, ON) as engine:
+            assert engine.executor.wait(timeout=600) and engine.executor.failed is None
+            got = run(engine, prompts, 8)
+            assert engine.executor.num_compiled_steps > 3
+            assert getattr(engine.executor, "inner", engine.executor).compiled.regions == []
+    assert "regions failed" in caplog.text and "compiling without" in caplog.text
+    assert not any("forward" in layer.__dict__ for layer in _layers(paged))
     assert not compare_greedy(ref, prompts, expected, got)
 
 
