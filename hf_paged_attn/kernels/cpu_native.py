@@ -43,7 +43,10 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 # The first includes the others.
 SOURCES = (SOURCE, SOURCE.with_name("cpu_attention_avx512.c"), SOURCE.with_name("cpu_attention_avx2.c"))
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11")
+# -fno-trapping-math: without it GCC keeps the softmax's e^x loops scalar (their clamps are branches it may
+# not turn into selects while floating-point exceptions count); with it the prefill ran 1.35x faster and the
+# decode 1.15x on a Zen 1 EPYC (benchmarks/README.md, thirteenth session). The kernels never read the flags.
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-trapping-math", "-fPIC", "-shared", "-std=c11")
 PORTABLE_ONLY = "-DHF_PAGED_ATTN_PORTABLE_ONLY"  # the retry when the compiler lacks the x86 intrinsics
 ISAS = {"best": 0, "portable": 1, "avx2": 2, "avx512": 3, "avx512bf16": 4}  # Args.isa
 MAX_HEAD_DIM = 512
@@ -173,33 +176,32 @@ def threaded_work() -> int:
 
 
 # Where the native prefill loses to gathering the pages into SDPA, whose flash kernel multiplies in blocked
-# GEMMs (``torch_backend.paged_prefill_attention`` then gathers): with AVX2 or portable kernels, a chunk of
-# queries over a longer cached context and a very long prompt. One request, the 30M model's heads (8 / 2 KV,
-# D 64), 2 threads, on a Zen 1 EPYC (benchmarks/README.md, twelfth session), gathered / native time:
-# 64 queries over 2,048 keys 0.85 (fp32) / 0.75 (bf16), 128 over 1,024 0.87 / 0.82, 256 over 768
-# 0.93 / 0.82, 256 over 1,024 0.85 / 0.84, 2,048 over 2,048 0.81 / 0.78; and the native kernel ahead at
-# 512 over 512 (1.46 / 1.32), even at 64 over 1,024, 512 over 1,024 and 1,024 over 1,024 (0.92-1.07).
-# The AVX-512 kernels were not measured against it and keep every call.
-SDPA_MIN_QUERIES = 64  # fewer queries a request: native (decode-like rows, speculative verification)
-SDPA_MIN_KEYS = 768  # a chunk over at least this many keys, and more than twice its queries ...
-SDPA_LONG_PROMPT = 1536  # ... or at least this many queries
+# GEMMs (``torch_backend.paged_prefill_attention`` then gathers): with the portable kernels (a CPU or a
+# compiler without AVX2), for any request of some size. The 30M model's heads (8 / 2 KV, D 64), 2 threads,
+# a Zen 1 EPYC with the kernels capped at ``portable`` (benchmarks/README.md, thirteenth session), gathered /
+# native time: 0.74 on 6 prompts of 17-311 tokens, 0.74 on 4 x 128, 0.88 on 8 x 64, 0.85 on 64 queries over
+# 128 keys, 0.38 on 16 over 1,024, 0.59 on one 512-token prompt, 0.35 on 2,048; native ahead on 32 prompts
+# of 16 tokens (1.56). The AVX2 kernels beat SDPA on every one of these (1.03-2.5x: a twelfth-session rule
+# that sent long rectangles there went with the vectorised softmax), and the AVX-512 ones are faster still.
+SDPA_MIN_QUERIES = 16  # fewer queries a request: native (decode-like rows, speculative verification)
+SDPA_MIN_WORK = 64 * 64  # queries x keys of a request below which SDPA's per-request cost dominates
 
 
 def sdpa_prefill_wins(q_lens: list[int], k_lens: list[int], isa: str | None = None) -> bool:
     """Whether gathering into SDPA beats the native prefill for a call whose requests have ``q_lens``
-    queries over ``k_lens`` visible keys (see above): when the requests where it wins hold most of the
-    call's query x key work, and the kernels in use are AVX2 or portable ones."""
+    queries over ``k_lens`` visible keys (see above): when the kernels in use are the portable ones and the
+    requests where SDPA wins hold most of the call's query x key work."""
     best = best_isa()
     if best is None:
         return False
     cap = _isa(isa)
-    if min(cap or ISAS[best], ISAS[best]) >= ISAS["avx512"]:
+    if min(cap or ISAS[best], ISAS[best]) > ISAS["portable"]:
         return False
     favoured = total = 0
     for q, k in zip(q_lens, k_lens):
         work = q * k
         total += work
-        if q >= SDPA_MIN_QUERIES and ((k >= SDPA_MIN_KEYS and k > 2 * q) or q >= SDPA_LONG_PROMPT):
+        if q >= SDPA_MIN_QUERIES and work >= SDPA_MIN_WORK:
             favoured += work
     return 2 * favoured > total
 

@@ -489,42 +489,44 @@ def test_write_kv_writes_exactly_the_slots() -> None:
     assert torch.equal(k_cache, before_k) and torch.equal(v_cache, before_v)
 
 
-def test_sdpa_prefill_wins_only_for_long_rectangles_without_avx512(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The rule of ``cpu_native.sdpa_prefill_wins``: with AVX2 (or portable) kernels, a call goes to SDPA
-    when requests with a chunk over a long context, or a very long prompt, hold most of its work; never with
-    AVX-512 kernels (unless capped below them), nor without the library."""
+def test_sdpa_prefill_wins_only_with_the_portable_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rule of ``cpu_native.sdpa_prefill_wins``: with the portable kernels a call goes to SDPA when
+    requests of at least 16 queries and 64 x 64 query-key pairs hold most of its work; never with AVX2 or
+    AVX-512 kernels (unless capped at portable), nor without the library."""
     from hf_paged_attn.kernels import cpu_native
 
     monkeypatch.delenv("HF_PAGED_ATTN_NATIVE_ISA", raising=False)
-    monkeypatch.setattr(cpu_native, "best_isa", lambda: "avx2")
+    monkeypatch.setattr(cpu_native, "best_isa", lambda: "portable")
     wins = cpu_native.sdpa_prefill_wins
-    assert wins([64], [2048]) and wins([128], [1024]) and wins([256], [768]) and wins([2048], [2048])
-    assert not wins([512], [512]) and not wins([1024], [1024]) and not wins([512], [1024])
-    assert not wins([32], [4096])  # too few queries: decode-like rows stay native
+    assert wins([64], [2048]) and wins([16], [1024]) and wins([64], [64]) and wins([512], [512])
+    assert wins([17, 60, 128, 200, 311, 90], [17, 60, 128, 200, 311, 90])
+    assert not wins([16] * 32, [16] * 32)  # small requests: SDPA's per-request cost dominates
+    assert not wins([8], [4096])  # too few queries: decode-like rows stay native
     assert wins([2048, 16, 1], [2048, 16, 900])  # the long prompt holds most of the work
-    assert not wins([128, 512], [1024, 512])  # 131K favoured against 262K not
+    assert not wins([64, 4], [64, 2048])  # 4K favoured against 8K not
     assert not wins([], [])
-    monkeypatch.setattr(cpu_native, "best_isa", lambda: "avx512")
-    assert not wins([2048], [2048])
-    assert wins([2048], [2048], isa="avx2")
+    for best in ("avx2", "avx512"):
+        monkeypatch.setattr(cpu_native, "best_isa", lambda best=best: best)
+        assert not wins([2048], [2048]) and not wins([64], [2048])
+        assert wins([2048], [2048], isa="portable")
     monkeypatch.setenv("HF_PAGED_ATTN_NATIVE_ISA", "portable")
     assert wins([2048], [2048])
     monkeypatch.setattr(cpu_native, "best_isa", lambda: None)
     assert not wins([2048], [2048])
 
 
-@pytest.mark.parametrize(("q_len", "k_len", "native_calls"), [(96, 1024, 0), (200, 200, 2)])
-def test_paged_prefill_sends_long_chunks_to_sdpa_on_avx2(
+@pytest.mark.parametrize(("q_len", "k_len", "native_calls"), [(96, 1024, 0), (8, 200, 2)])
+def test_paged_prefill_sends_large_requests_to_sdpa_with_portable_kernels(
     q_len: int, k_len: int, native_calls: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With AVX2 kernels a 96-query chunk over 1,024 keys is gathered into SDPA (once decided, for every
-    layer of the step), a 200-token prompt runs natively; both equal the reference, and a window counts
+    """With the portable kernels a 96-query chunk over 1,024 keys is gathered into SDPA (once decided, for
+    every layer of the step), an 8-query chunk runs natively; both equal the reference, and a window counts
     only the keys it lets the queries see."""
     from hf_paged_attn.kernels import cpu_native
 
     if cpu_native.library() is None:
         pytest.skip("the native kernels are unavailable here")
-    monkeypatch.setattr(cpu_native, "best_isa", lambda: "avx2")
+    monkeypatch.setattr(cpu_native, "best_isa", lambda: "portable")
     calls = []
     native = cpu_native.paged_prefill
     monkeypatch.setattr(cpu_native, "paged_prefill", lambda *a, **k: calls.append(1) or native(*a, **k))
@@ -539,8 +541,10 @@ def test_paged_prefill_sends_long_chunks_to_sdpa_on_avx2(
     assert len(calls) == native_calls
     expected = reference.varlen_reference(q, torch.cat(ks), torch.cat(vs), cu_q, _cu([k_len]), softmax_scale=d**-0.5)
     torch.testing.assert_close(out, expected, **TOL)
-    # a window of 128 keys: the chunk sees at most 96 + 128 of them, not a long context: native
-    calls.clear()
+    # a window of 128 keys: the rule is asked about the keys the chunk sees, at most q_len + 128 of them
+    asked = []
+    rule = cpu_native.sdpa_prefill_wins
+    monkeypatch.setattr(cpu_native, "sdpa_prefill_wins", lambda q, k: asked.append(k) or rule(q, k))
     torch_backend.paged_prefill_attention(q, k_cache, v_cache, cu_q, seqused, table, softmax_scale=d**-0.5,
                                           window_size=(128, 0), memo={})  # fmt: skip
-    assert len(calls) == 1
+    assert asked == [[min(k_len, q_len + 128)]]
