@@ -10,7 +10,8 @@ process holds the core. No fixed rule covers every model, dtype, step size and m
 engine measures: ``ThreadTuner`` times the steps of each size bucket with each candidate count,
 alternating, keeps the faster (median of ``TRIALS``; sooner when one is clearly faster in every step,
 ``EARLY_TRIALS``), and measures again every ``REMEASURE_STEPS`` steps of the bucket, since the
-machine's load changes.
+machine's load changes. A rare step size borrows the count its measured neighbours agree on
+(``RARE_STEPS``).
 
 ``ThreadTunedExecutor`` wraps the engine's executor (the seam of ``executor.py``): the chosen count
 holds for the step's forward only, and the caller's count is back after it. ``torch.set_num_threads``
@@ -40,6 +41,10 @@ TRIALS = 5  # timed steps per candidate before a bucket decides
 EARLY_TRIALS = 2
 CLEAR_MARGIN = 1.25
 REMEASURE_STEPS = 256  # steps of a bucket after which it measures its candidates again
+# A bucket that has seen fewer than RARE_STEPS steps runs the count its measured neighbours agree on, if they
+# do (``ThreadTuner.inferred``): a step size that comes once a run (the 30M model's last prompt step, 183
+# tokens) would otherwise alternate for runs, at 0.28 s on one thread against 0.15 on two.
+RARE_STEPS = 2 * TRIALS
 
 
 def bucket(num_tokens: int) -> int:
@@ -54,6 +59,7 @@ class Bucket:
     samples: dict[int, list[float]]
     choice: int | None = None
     steps_since_choice: int = 0
+    seen: int = 0  # steps recorded in all
 
 
 @dataclass(slots=True)
@@ -75,11 +81,32 @@ class ThreadTuner:
         state = self._bucket(num_tokens)
         if state.choice is not None:
             return state.choice
+        if state.seen < RARE_STEPS and (inferred := self.inferred(num_tokens)) is not None:
+            return inferred
         return min(self.candidates, key=lambda c: len(state.samples[c]))  # alternates: ties go in order
+
+    def inferred(self, num_tokens: int) -> int | None:
+        """The count the decided buckets around ``num_tokens``' imply, or None: the nearest smaller and larger
+        ones when they agree; the smallest alone when it chose the fewest threads (smaller steps gain less
+        from threads), the largest alone when it chose the most."""
+        key = bucket(num_tokens)
+        decided = {k: b.choice for k, b in self.buckets.items() if b.choice is not None and k != key}
+        below = [k for k in decided if k < key]
+        above = [k for k in decided if k > key]
+        low = decided[max(below)] if below else None
+        high = decided[min(above)] if above else None
+        if low is not None and high is not None:
+            return low if low == high else None
+        if high is not None and high == min(self.candidates):
+            return high
+        if low is not None and low == max(self.candidates):
+            return low
+        return None
 
     def record(self, num_tokens: int, threads: int, seconds: float) -> None:
         """A step of ``num_tokens`` ran ``seconds`` with ``threads``."""
         state = self._bucket(num_tokens)
+        state.seen += 1
         if state.choice is not None:
             state.steps_since_choice += 1
             if state.steps_since_choice >= self.remeasure_steps:  # the load may have changed: measure again

@@ -11,7 +11,7 @@ import torch
 
 import hf_paged_attn  # noqa: F401  (registers "paged")
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
-from hf_paged_attn.runtime.threads import ThreadTunedExecutor, ThreadTuner, bucket, candidates
+from hf_paged_attn.runtime.threads import RARE_STEPS, ThreadTunedExecutor, ThreadTuner, bucket, candidates
 from hf_paged_attn_tools.testing import compare_greedy, load_pair, ragged_prompts, reference_greedy
 
 CPU = torch.device("cpu")
@@ -64,6 +64,32 @@ def test_a_clear_winner_decides_after_two_steps_each() -> None:
     for threads, seconds in ((1, 0.22), (2, 0.20), (1, 0.21), (2, 0.19)):
         close.record(200, threads, seconds)
     assert close.choices() == {}
+
+
+def test_a_rare_step_size_runs_what_its_measured_neighbours_agree_on() -> None:
+    """Buckets 6 and 9 decided on two threads: a 183-token step (bucket 8) runs on two at once, and so does
+    a step larger than any measured; below the smallest measured bucket, which chose two, nothing is implied;
+    a bucket seen RARE_STEPS times measures itself."""
+    tuner = ThreadTuner((1, 2), trials=2)
+    for tokens in (64, 512):
+        for threads, seconds in ((1, 0.4), (2, 0.2), (1, 0.4), (2, 0.2)):
+            tuner.record(tokens, threads, seconds)
+    assert tuner.choices() == {6: 2, 9: 2}
+    assert tuner.inferred(183) == 2 and tuner.choose(183) == 2 and tuner.choose(2048) == 2
+    assert tuner.inferred(8) is None and tuner.choose(8) == 1  # measures: one thread first
+    for _ in range(RARE_STEPS):
+        tuner.record(183, 2, 0.15)
+    assert tuner.choose(183) == 1  # seen often enough: it measures the other count too
+    tuner.record(183, 1, 0.3)
+    tuner.record(183, 1, 0.3)
+    assert tuner.choices()[8] == 2
+    ones = ThreadTuner((1, 2), trials=2)  # the smallest measured chose one thread: smaller steps too
+    for threads, seconds in ((1, 0.1), (2, 0.2), (1, 0.1), (2, 0.2)):
+        ones.record(16, threads, seconds)
+    assert ones.inferred(4) == 1 and ones.inferred(64) is None
+    disagree = ThreadTuner((1, 2), trials=1)
+    disagree.record(8, 1, 0.1), disagree.record(8, 2, 0.2), disagree.record(512, 1, 0.4), disagree.record(512, 2, 0.2)
+    assert disagree.choices() == {3: 1, 9: 2} and disagree.inferred(64) is None
 
 
 def test_the_tuner_refuses_bad_candidates() -> None:
