@@ -589,9 +589,27 @@ static void rows_store(Rows *r, const Args *a) {
 
 /* ------------------------------------------------------------------------------------------- threads */
 
-/* A pool of workers that sleep on a condition variable between calls (never spinning: the machine is shared
- * with the rest of the model's threads). One parallel call at a time; a forked child starts with none. */
 typedef void (*JobFn)(void *ctx);
+
+#ifdef _OPENMP
+/* Built with -fopenmp, the library needs libgomp.so.1, and the loader hands it the copy torch loaded (the same
+ * soname): the kernels run on the threads torch's matmuls and inductor's kernels run on, awake or spinning as
+ * those left them. A pool of the library's own was a third thread on two cores: while OpenMP's worker spun
+ * after a matmul (GOMP_SPINCOUNT), the pool's worker waited for its core. Runs fn(ctx) on ``threads``
+ * threads (this one included) and returns when all are done. */
+static void parallel(JobFn fn, void *ctx, int64_t threads) {
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads <= 1) {
+        fn(ctx);
+        return;
+    }
+#pragma omp parallel num_threads((int)threads)
+    fn(ctx);
+}
+#else
+/* Without OpenMP: a pool of workers that sleep on a condition variable between calls (never spinning: the
+ * machine is shared with the rest of the model's threads). One parallel call at a time; a forked child starts
+ * with none. */
 
 static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t pool_call = PTHREAD_MUTEX_INITIALIZER;
@@ -670,6 +688,7 @@ static void parallel(JobFn fn, void *ctx, int64_t threads) {
     pthread_mutex_unlock(&pool_mu);
     pthread_mutex_unlock(&pool_call);
 }
+#endif
 
 /* ------------------------------------------------------------------------------------------- tasks */
 

@@ -46,8 +46,12 @@ SOURCES = (SOURCE, SOURCE.with_name("cpu_attention_avx512.c"), SOURCE.with_name(
 # -fno-trapping-math: without it GCC keeps the softmax's e^x loops scalar (their clamps are branches it may
 # not turn into selects while floating-point exceptions count); with it the prefill ran 1.35x faster and the
 # decode 1.15x on a Zen 1 EPYC (benchmarks/README.md, thirteenth session). The kernels never read the flags.
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-trapping-math", "-fPIC", "-shared", "-std=c11")
+# -fopenmp: the kernels' threads are OpenMP's, the runtime torch loaded (libgomp.so.1, one soname), not a pool
+# of their own competing for the cores with OpenMP's spinning workers: on the 30M model the native attention
+# took 1.5 s a run with GOMP_SPINCOUNT=3000 and 2.5 s at 300,000 with a pool of its own.
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-fPIC", "-shared", "-std=c11")
 PORTABLE_ONLY = "-DHF_PAGED_ATTN_PORTABLE_ONLY"  # the retry when the compiler lacks the x86 intrinsics
+NO_OPENMP = "-fopenmp-simd"  # -fopenmp's stand-in when the compiler has no OpenMP (a pool of pthreads then)
 ISAS = {"best": 0, "portable": 1, "avx2": 2, "avx512": 3, "avx512bf16": 4}  # Args.isa
 MAX_HEAD_DIM = 512
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -123,15 +127,35 @@ def build(
     with tempfile.TemporaryDirectory(dir=directory) as tmp:  # then renamed: another process may race
         built = Path(tmp) / target.name
         command = [compiler, *FLAGS, "-o", str(built), str(sources[0]), "-lm", "-lpthread"]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:  # e.g. a compiler without the AVX-512 BF16 intrinsics
-            retry = subprocess.run([*command[:1], PORTABLE_ONLY, *command[1:]], capture_output=True, text=True,
-                                   timeout=120)  # fmt: skip
-            if retry.returncode != 0:
-                raise RuntimeError(f"{compiler} could not build {Path(sources[0]).name}: {done.stderr.strip()[-2000:]}")
-            logger.info("hf_paged_attn: the native CPU kernels were built without AVX-512: %s", done.stderr[-500:])
+        without_openmp = [NO_OPENMP if flag == "-fopenmp" else flag for flag in command]
+        # Each until one builds: e.g. a compiler without the AVX-512 BF16 intrinsics, or without OpenMP.
+        attempts = (command, [command[0], PORTABLE_ONLY, *command[1:]], without_openmp,
+                    [without_openmp[0], PORTABLE_ONLY, *without_openmp[1:]])  # fmt: skip
+        first = None
+        for attempt in attempts:
+            done = subprocess.run(attempt, capture_output=True, text=True, timeout=120)
+            first = first or done
+            if done.returncode == 0:
+                break
+        else:
+            raise RuntimeError(f"{compiler} could not build {Path(sources[0]).name}: {first.stderr.strip()[-2000:]}")
+        if attempt is not command:
+            fallbacks = " ".join(f for f in attempt if f in (PORTABLE_ONLY, NO_OPENMP))
+            logger.info("hf_paged_attn: the native CPU kernels were built with %s: %s", fallbacks, first.stderr[-500:])
         os.replace(built, target)
     return target
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """The library at ``path`` (from ``build``) with its entry points declared."""
+    lib = ctypes.CDLL(str(path))
+    lib.paged_decode.argtypes = [ctypes.POINTER(_Args)]
+    lib.paged_decode.restype = ctypes.c_int
+    lib.paged_prefill.argtypes = [ctypes.POINTER(_Args), ctypes.c_int64]
+    lib.paged_prefill.restype = ctypes.c_int
+    lib.attention_best_isa.argtypes = []
+    lib.attention_best_isa.restype = ctypes.c_int
+    return lib
 
 
 def library() -> ctypes.CDLL | None:
@@ -142,14 +166,7 @@ def library() -> ctypes.CDLL | None:
     with _lock:
         if _library is None and not _failed:
             try:
-                lib = ctypes.CDLL(str(build()))
-                lib.paged_decode.argtypes = [ctypes.POINTER(_Args)]
-                lib.paged_decode.restype = ctypes.c_int
-                lib.paged_prefill.argtypes = [ctypes.POINTER(_Args), ctypes.c_int64]
-                lib.paged_prefill.restype = ctypes.c_int
-                lib.attention_best_isa.argtypes = []
-                lib.attention_best_isa.restype = ctypes.c_int
-                _library = lib
+                _library = load(build())
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 _failed = True
                 logger.warning("hf_paged_attn: the native CPU attention kernels are unavailable (torch ops): %s", exc)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -240,6 +242,37 @@ def test_threads_split_prefill_and_shared_prefix_work_exactly(
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
     many = both()
     assert all(torch.equal(a, b) for a, b in zip(one, many, strict=True))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_the_kernels_share_torchs_openmp_runtime_and_build_without_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Built with -fopenmp, the library runs its threads on the OpenMP runtime torch loaded (one libgomp in the
+    process: the loader matches the soname); built without OpenMP (a compiler without it), on a pool of its
+    own, with the same answers."""
+    if cpu_native.library() is None:
+        pytest.skip("the native kernels are unavailable here")
+    gomp = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "libgomp" in line}
+    if not gomp:
+        pytest.skip("this torch does not run on GNU OpenMP")
+    assert len(gomp) == 1, gomp
+    opts = {"block_size": 16, "kv_heads": 2, "head_dim": 64, "dtype": torch.float32}
+    gen = torch.Generator().manual_seed(2)
+    k_cache, v_cache, table, lens = _shared_case(opts, [(6, 4)], 3, 30, gen)
+    q = torch.randn(len(lens), 1, 8, 64, generator=gen)
+    used = torch.tensor(lens, dtype=torch.int32)
+    monkeypatch.setattr(cpu_native, "_THREADED_WORK", 0)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+
+    def decode() -> torch.Tensor:
+        return cpu_native.paged_decode(q, k_cache, v_cache, None, None, used, table, 0.125, -1, 0.0, None, max(lens))
+
+    with_openmp = decode()
+    monkeypatch.setattr(cpu_native, "FLAGS", tuple(cpu_native.NO_OPENMP if f == "-fopenmp" else f
+                                                   for f in cpu_native.FLAGS))  # fmt: skip
+    monkeypatch.setattr(cpu_native, "_library", cpu_native.load(cpu_native.build(directory=tmp_path)))
+    assert torch.equal(decode(), with_openmp)
 
 
 def test_the_paths_drawn_are_the_paths_run() -> None:
