@@ -147,8 +147,9 @@ def run_ours(job: dict) -> dict:
     startup = time.perf_counter() - start
     times, cpu, tokens, split = timed_runs(once, job["reps"], job.get("perf", False))
     compile_times = torch._dynamo.utils.compile_times(repr="str", aggregate=True) if job.get("compile_times") else ""
+    tuner = getattr(engine.executor, "tuner", None)  # the adaptive threads' choices: step-size bucket -> count
     return {"startup": startup, "ready": ready, "times": times, "cpu": cpu, "tokens": tokens,
-            "compile_times": compile_times, "perf": split}  # fmt: skip
+            "compile_times": compile_times, "perf": split, "threads": tuner.choices() if tuner else {}}  # fmt: skip
 
 
 def run_vllm(job: dict) -> dict:
@@ -297,7 +298,9 @@ def main(argv: list[str] | None = None) -> None:
                       f"(runs {', '.join(f'{t:.2f}' for t in res['times'])} s, CPU "
                       f"{', '.join(f'{t:.2f}' for t in res['cpu'])} s; ready {res['ready']:.1f} s, "
                       f"start-up {res['startup']:.1f} s; "
-                      f"load {os.getloadavg()[0]:.2f})", flush=True)  # fmt: skip
+                      f"load {os.getloadavg()[0]:.2f})"
+                      + (f"; threads by step bucket {res['threads']}" if res.get("threads") else ""),
+                      flush=True)  # fmt: skip
                 if res.get("perf"):
                     print("    CPU s a run: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(
                         res["perf"].items(), key=lambda kv: -kv[1])), flush=True)  # fmt: skip
