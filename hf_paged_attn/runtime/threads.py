@@ -9,7 +9,7 @@ small model, while the 30M model's float32 prefill needs both cores. With a shor
 process holds the core. No fixed rule covers every model, dtype, step size and machine load, so the
 engine measures: ``ThreadTuner`` times the steps of each size bucket with each candidate count,
 alternating, keeps the faster (median of ``TRIALS``; sooner when one is clearly faster in every step,
-``EARLY_TRIALS``, a choice that holds for ``EARLY_HOLD_STEPS`` steps before all ``TRIALS`` confirm it),
+``EARLY_TRIALS``, a choice that holds for ``EARLY_HOLD_STEPS`` timed steps before the others run again),
 and measures again every ``REMEASURE_STEPS`` steps of the bucket, since the machine's load changes. A
 rare step size borrows the count its measured neighbours agree on (``RARE_STEPS``).
 
@@ -40,9 +40,11 @@ TRIALS = 5  # timed steps per candidate before a bucket decides
 # token steps) would otherwise alternate for many runs, at 360 ms a step on one thread against 197 on two.
 EARLY_TRIALS = 2
 CLEAR_MARGIN = 1.25
-# An early decision holds for EARLY_HOLD_STEPS steps of its bucket, then the bucket measures again with all
-# TRIALS (no early decision this time): two steps each can catch a moment when another process held a core,
-# and a bundled-model process then ran every step on one thread (1,742 tokens/s against 2,642-2,741).
+# An early decision holds for EARLY_HOLD_STEPS steps of its bucket, timed, then the other candidates run
+# EARLY_TRIALS steps each and the medians decide again (and hold REMEASURE_STEPS): two steps each can catch
+# a moment when another process held a core, and a bundled-model process then ran every step on one thread
+# (1,742 tokens/s against 2,642-2,741). Measuring all TRIALS again instead cost the 30M model's prompt steps
+# five steps on one thread (1.4 s of a 14 s run).
 EARLY_HOLD_STEPS = 32
 REMEASURE_STEPS = 256  # steps of a bucket after which it measures its candidates again
 # A bucket that has seen fewer than RARE_STEPS steps runs the count its measured neighbours agree on, if they
@@ -64,8 +66,8 @@ class Bucket:
     choice: int | None = None
     steps_since_choice: int = 0
     seen: int = 0  # steps recorded in all
-    early: bool = False  # the choice came from EARLY_TRIALS steps each: it holds for EARLY_HOLD_STEPS
-    confirming: bool = False  # measuring after an early choice: only all TRIALS decide
+    early: bool = False  # the choice came from EARLY_TRIALS steps each: it holds (timed) for EARLY_HOLD_STEPS
+    confirming: bool = False  # after an early choice: the others' EARLY_TRIALS steps against its held timings
 
 
 @dataclass(slots=True)
@@ -115,18 +117,26 @@ class ThreadTuner:
         state.seen += 1
         if state.choice is not None:
             state.steps_since_choice += 1
+            if state.early and threads == state.choice:  # the held choice's timings: what confirms it
+                state.samples[threads].append(seconds)
             hold = EARLY_HOLD_STEPS if state.early else self.remeasure_steps
             if state.steps_since_choice >= hold:  # the load may have changed: measure again
+                held = state.samples[state.choice][-EARLY_HOLD_STEPS:] if state.early else []
+                state.samples = {c: [] for c in self.candidates}
+                if state.early:
+                    state.samples[state.choice] = held
                 state.confirming, state.early = state.early, False
                 state.choice, state.steps_since_choice = None, 0
-                state.samples = {c: [] for c in self.candidates}
             return
         if threads in state.samples:
             state.samples[threads].append(seconds)
-        if all(len(times) >= self.trials for times in state.samples.values()):
+        if state.confirming:
+            if all(len(times) >= EARLY_TRIALS for times in state.samples.values()):
+                state.choice = min(self.candidates, key=lambda c: statistics.median(state.samples[c]))
+                state.confirming = False
+        elif all(len(times) >= self.trials for times in state.samples.values()):
             state.choice = min(self.candidates, key=lambda c: statistics.median(state.samples[c]))
-            state.confirming = False
-        elif not state.confirming:
+        else:
             state.choice = self._clear_winner(state)
             state.early = state.choice is not None
 

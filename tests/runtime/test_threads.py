@@ -13,6 +13,7 @@ import hf_paged_attn  # noqa: F401  (registers "paged")
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
 from hf_paged_attn.runtime.threads import (
     EARLY_HOLD_STEPS,
+    EARLY_TRIALS,
     RARE_STEPS,
     ThreadTunedExecutor,
     ThreadTuner,
@@ -62,7 +63,8 @@ def test_the_tuner_alternates_then_keeps_the_faster_median() -> None:
 
 def test_a_clear_winner_decides_after_two_steps_each() -> None:
     """One thread 1.8x slower in every step: the bucket decides after EARLY_TRIALS steps of each, not TRIALS;
-    that choice holds for EARLY_HOLD_STEPS steps, then all TRIALS measure again (and may overturn it)."""
+    that choice holds for EARLY_HOLD_STEPS timed steps, then the other count runs EARLY_TRIALS steps and the
+    medians confirm or overturn it."""
     tuner = ThreadTuner((1, 2), trials=5)
     for threads, seconds in ((1, 0.36), (2, 0.20), (1, 0.35), (2, 0.19)):
         assert tuner.choose(200) == threads
@@ -71,17 +73,22 @@ def test_a_clear_winner_decides_after_two_steps_each() -> None:
     for _ in range(EARLY_HOLD_STEPS - 1):
         tuner.record(200, tuner.choose(200), 0.2)
     assert tuner.choices() == {8: 2}
-    tuner.record(200, 2, 0.2)  # the early choice has held long enough: all TRIALS confirm (or overturn) it
-    assert tuner.choices() == {}
-    for _ in range(4):  # one thread clearly faster now, but two steps each no longer decide
-        threads = tuner.choose(200)
-        tuner.record(200, threads, 0.1 if threads == 1 else 0.3)
-        assert tuner.choices() == {}
-    while tuner.choices() == {}:
-        threads = tuner.choose(200)
-        tuner.record(200, threads, 0.1 if threads == 1 else 0.3)
-    assert tuner.choices() == {8: 1} and all(len(times) == 5 for times in tuner.buckets[8].samples.values())
-    assert not tuner.buckets[8].early  # a confirmed choice holds for remeasure_steps
+    tuner.record(200, 2, 0.2)  # the early choice has held long enough: the other count runs again
+    assert tuner.choices() == {} and tuner.choose(200) == 1
+    assert tuner.buckets[8].samples == {1: [], 2: [0.2] * EARLY_HOLD_STEPS}  # the held steps' timings
+    tuner.record(200, 1, 0.1)  # one thread faster now: after EARLY_TRIALS steps the medians overturn it
+    assert tuner.choices() == {} and tuner.choose(200) == 1
+    tuner.record(200, 1, 0.15)
+    assert tuner.choices() == {8: 1} and not tuner.buckets[8].early  # holds for remeasure_steps now
+    kept = ThreadTuner((1, 2), trials=5)  # the same, with one thread still slower: confirmed
+    for threads, seconds in ((1, 0.36), (2, 0.20), (1, 0.35), (2, 0.19)):
+        kept.record(200, threads, seconds)
+    for _ in range(EARLY_HOLD_STEPS):
+        kept.record(200, kept.choose(200), 0.2)
+    for _ in range(EARLY_TRIALS):
+        assert kept.choose(200) == 1
+        kept.record(200, 1, 0.3)
+    assert kept.choices() == {8: 2} and not kept.buckets[8].early
     close = ThreadTuner((1, 2), trials=5)  # within the margin: it keeps measuring
     for threads, seconds in ((1, 0.22), (2, 0.20), (1, 0.21), (2, 0.19)):
         close.record(200, threads, seconds)
