@@ -94,7 +94,7 @@ class ThreadTuner:
         return min(self.candidates, key=lambda c: len(state.samples[c]))  # alternates: ties go in order
 
     def inferred(self, num_tokens: int) -> int | None:
-        """The count the decided buckets around ``num_tokens``' imply, or None: the nearest smaller and larger
+        """The count that the decided buckets around ``num_tokens`` imply, or None: the nearest smaller and larger
         ones when they agree; the smallest alone when it chose the fewest threads (smaller steps gain less
         from threads), the largest alone when it chose the most."""
         key = bucket(num_tokens)
