@@ -121,22 +121,18 @@ class ThreadTuner:
                 state.samples[threads].append(seconds)
             hold = EARLY_HOLD_STEPS if state.early else self.remeasure_steps
             if state.steps_since_choice >= hold:  # the load may have changed: measure again
-                held = state.samples[state.choice][-EARLY_HOLD_STEPS:] if state.early else []
-                state.samples = {c: [] for c in self.candidates}
-                if state.early:
-                    state.samples[state.choice] = held
+                held = {state.choice: state.samples[state.choice][-EARLY_HOLD_STEPS:]} if state.early else {}
+                state.samples = {c: held.get(c, []) for c in self.candidates}
                 state.confirming, state.early = state.early, False
                 state.choice, state.steps_since_choice = None, 0
             return
         if threads in state.samples:
             state.samples[threads].append(seconds)
-        if state.confirming:
-            if all(len(times) >= EARLY_TRIALS for times in state.samples.values()):
-                state.choice = min(self.candidates, key=lambda c: statistics.median(state.samples[c]))
-                state.confirming = False
-        elif all(len(times) >= self.trials for times in state.samples.values()):
+        needed = EARLY_TRIALS if state.confirming else self.trials  # confirming: the held choice has its timings
+        if all(len(times) >= needed for times in state.samples.values()):
             state.choice = min(self.candidates, key=lambda c: statistics.median(state.samples[c]))
-        else:
+            state.confirming = False
+        elif not state.confirming:
             state.choice = self._clear_winner(state)
             state.early = state.choice is not None
 
