@@ -66,7 +66,7 @@ from ..attention.forward import ForwardContext
 from ..attention.function import COMPILED, COMPILED_STEP, LAYER_INDEX, CompiledStep
 from ..attention.step import StepMetadata
 from ..core.layers import LayerKinds
-from . import linear_groups, packed_linear
+from . import linear_groups, packed_linear, sampled_rows
 from .weights import fingerprint
 
 if TYPE_CHECKING:
@@ -79,16 +79,18 @@ logger = logging.getLogger(__name__)
 # prepacked for oneDNN (as ``freezing``, which folds the weights into the graph as constants, would have
 # inductor do), and the graph, free of unpicklable packed constants, is one that inductor's disk cache
 # (``/tmp/torchinductor_$USER``) serves to every later process, which then compiles in seconds instead of
-# 25-50 s. ``HF_PAGED_ATTN_FREEZE=1`` freezes them instead. ``linear_groups.GROUP_LINEARS`` then makes
-# the projections that share an input (q/k/v, gate/up) one matmul.
+# 25-50 s. ``HF_PAGED_ATTN_FREEZE=1`` freezes them instead. The post-grad pass ``sampled_rows.SAMPLED_ROWS``
+# computes only the sampled rows after the last attention, then (``linear_groups.GROUP_LINEARS``) makes the
+# projections that share an input (q/k/v, gate/up) one matmul.
 FREEZE_ENV = "HF_PAGED_ATTN_FREEZE"
 
 
 def inductor_options() -> dict[str, object]:
     """The compiled forward's inductor options: no ``freezing`` unless ``$HF_PAGED_ATTN_FREEZE`` is 1, the
-    packed projections grouped (see above), and kernels that take the thread count at run time
-    (``cpp.dynamic_threads``: one graph serves every count, see ``STEP_THREADS``)."""
-    return {"freezing": os.environ.get(FREEZE_ENV, "") == "1", "post_grad_custom_pre_pass": linear_groups.GROUP_LINEARS,
+    sampled rows only after the last attention and the packed projections grouped (see above), and kernels
+    that take the thread count at run time (``cpp.dynamic_threads``: one graph serves every count, see
+    ``STEP_THREADS``)."""
+    return {"freezing": os.environ.get(FREEZE_ENV, "") == "1", "post_grad_custom_pre_pass": sampled_rows.SAMPLED_ROWS,
             "cpp.dynamic_threads": True}  # fmt: skip
 
 

@@ -295,12 +295,12 @@ def test_exiting_while_the_compile_runs_exits_cleanly(llama_dir) -> None:
 
 def test_weights_stay_graph_inputs_unless_frozen_on_request(monkeypatch) -> None:
     """Unfrozen (``packed_linear`` packs them), so that inductor's disk cache can serve later processes;
-    ``HF_PAGED_ATTN_FREEZE=1`` freezes them; the projections that share an input are grouped; the
-    kernels read the thread count at run time."""
-    from hf_paged_attn.runtime import compiled, linear_groups
+    ``HF_PAGED_ATTN_FREEZE=1`` freezes them; the graph pass computes only the sampled rows after the last
+    attention, then groups the projections that share an input; the kernels read the thread count at run time."""
+    from hf_paged_attn.runtime import compiled, sampled_rows
 
     monkeypatch.delenv(compiled.FREEZE_ENV, raising=False)
-    assert compiled.inductor_options() == {"freezing": False, "post_grad_custom_pre_pass": linear_groups.GROUP_LINEARS,
+    assert compiled.inductor_options() == {"freezing": False, "post_grad_custom_pre_pass": sampled_rows.SAMPLED_ROWS,
                                            "cpp.dynamic_threads": True}  # fmt: skip
     for override, frozen in (("1", True), ("0", False)):
         monkeypatch.setenv(compiled.FREEZE_ENV, override)
