@@ -1,0 +1,80 @@
+"""The compiled forward with and without ``runtime/sampled_rows.py`` (only the sampled rows after the last
+attention), in one process: two copies of a ``vs_vllm.py`` row's model, one compiled with the pass and one
+without (``$HF_PAGED_ATTN_SAMPLED_ROWS=0`` while it compiles), their engines' runs alternating so both
+see the same host. Prints each run's wall time, the medians, their ratio and whether the tokens agree.
+
+    python benchmarks/sampled_rows_ab.py [--row random|demo] [--new-tokens workload|N] [--rounds 4]
+
+``--new-tokens 1``: the prompts only (the prefill steps, where the pass saves work); ``workload``: the row's
+own new-token counts. Timings are noisy on shared cores: read the per-round ratios, not one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("GOMP_SPINCOUNT", "3000")  # as our commands run (hf_paged_attn._env.CLI_DEFAULTS)
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, GenerationConfig  # noqa: E402
+
+import hf_paged_attn  # noqa: E402, F401  registers "paged"
+from hf_paged_attn import ContinuousBatchingEngine, PagedConfig  # noqa: E402
+from hf_paged_attn.core.blocks import blocks_for  # noqa: E402
+from hf_paged_attn.runtime import sampled_rows  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+import vs_vllm  # noqa: E402
+
+
+def engine_for(job: dict, pass_on: bool) -> ContinuousBatchingEngine:
+    """A fresh copy of the row's model and an engine whose compiled forward has the pass on or off."""
+    os.environ[sampled_rows.ENV] = "1" if pass_on else "0"  # read when the graph compiles
+    model = AutoModelForCausalLM.from_pretrained(job["model"], attn_implementation="paged", dtype=torch.float32)
+    config = PagedConfig(enable_prefix_caching=False, compile=True)
+    block_size = config.resolved(torch.device("cpu")).block_size
+    num_blocks = sum(blocks_for(len(p) + n, block_size) for p, n in zip(job["prompts"], job["max_new_tokens"]))
+    greedy = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0)
+    engine = ContinuousBatchingEngine(model.eval(), config, generation_config=greedy, num_blocks=num_blocks)
+    engine.executor.wait()
+    return engine
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--row", choices=("random", "demo"), default="random")
+    parser.add_argument("--new-tokens", default="workload", help="'workload' or a number for every prompt")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache" / "hf_paged_attn" / "vs_vllm")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    job = vs_vllm.workload(args.row, args.work_dir)
+    new = job["max_new_tokens"] if args.new_tokens == "workload" else int(args.new_tokens)
+    engines = {"on": engine_for(job, True), "off": engine_for(job, False)}
+    for engine in engines.values():  # warm-up: first-call paths
+        engine.generate(job["prompts"], max_new_tokens=new, progress_bar=False)
+    walls: dict[str, list[float]] = {name: [] for name in engines}
+    tokens: dict[str, list[list[int]]] = {}
+    for _ in range(args.rounds):
+        for name, engine in engines.items():
+            start = time.perf_counter()
+            outs = engine.generate(job["prompts"], max_new_tokens=new, progress_bar=False)
+            walls[name].append(time.perf_counter() - start)
+            tokens[name] = [list(o.output_ids) for o in outs]
+    for name, runs in walls.items():
+        print(f"pass {name:3s}: runs {', '.join(f'{w:.2f}' for w in runs)} s, median {statistics.median(runs):.3f} s")
+    per_round = [off / on for on, off in zip(walls["on"], walls["off"])]
+    same = sum(a == b for a, b in zip(tokens["on"], tokens["off"]))
+    print(f"off / on: {statistics.median(walls['off']) / statistics.median(walls['on']):.3f} (per round "
+          f"{', '.join(f'{r:.3f}' for r in per_round)}); same tokens {same}/{len(tokens['on'])}; "
+          f"row {args.row}, new tokens {args.new_tokens}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
