@@ -22,6 +22,7 @@ depend on it: greedy parity in ``tests/runtime/test_sampled_rows.py``).
 
 from __future__ import annotations
 
+import operator
 import os
 
 import torch
@@ -51,6 +52,8 @@ POINTWISE = {
 # Reductions over the dims their second argument names (kept or dropped): row-wise when the row dim is
 # not one of them.
 REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default, aten.var.correction}
+# Reductions with more than one result (a LayerNorm's statistics), read through ``getitem``.
+TUPLE_REDUCTIONS = {aten.var_mean.correction}
 RESHAPES = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
 
 
@@ -165,14 +168,15 @@ class _Mover:
             except _NotRowWise:
                 return None
         elif target in REDUCTIONS:
-            dims = args[1] if len(args) > 1 else kwargs.get("dim")
-            keep = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
-            ndim, row = _val(args[0]).dim(), dim % out.dim()
-            reduced = [d % ndim for d in dims] if dims else None
-            # Reduced over the rows, or (dropping dims before them) renumbering them: not seen through.
-            if reduced is None or row in reduced or (not keep and min(reduced) < row):
+            row = dim % out.dim()
+            if not _reduces_beside(node, row):
                 return None
             new_args, new_kwargs = (self.select(args[0], row), *args[1:]), dict(kwargs)
+        elif target is operator.getitem and isinstance(args[0], Node) and args[0].target in TUPLE_REDUCTIONS:
+            results = self._results(args[0], dim % out.dim())
+            if results is None:
+                return None
+            new_args, new_kwargs = (results, *args[1:]), dict(kwargs)
         elif target is aten.slice.Tensor:
             ndim = out.dim()
             if (args[1] if len(args) > 1 else 0) % ndim == dim % ndim:
@@ -196,6 +200,18 @@ class _Mover:
         self.moved.add(node)
         return self._make(target, new_args, new_kwargs, after=node)
 
+    def _results(self, node: Node, row: int) -> Node | None:
+        """A multi-result reduction (``var_mean``) on the selected rows, built once for all its ``getitem``s;
+        None where it reduces over the rows or something else reads it."""
+        key = (node, row)
+        if key not in self.done:
+            if not _reduces_beside(node, row) or (self.allowed is not None and node not in self.allowed):
+                return None
+            self.moved.add(node)
+            self.done[key] = self._make(node.target, (self.select(node.args[0], row), *node.args[1:]),
+                                        dict(node.kwargs), after=node)  # fmt: skip
+        return self.done[key]
+
     def _reshape(self, node: Node, row: int) -> tuple | None:
         """A reshape's args on the selected rows, where each row is the same run of elements before and
         after it: only dims of size 1 before the rows on either side, the same number of elements after."""
@@ -218,6 +234,19 @@ class _Mover:
 
 class _NotRowWise(Exception):
     pass
+
+
+def _reduces_beside(node: Node, row: int) -> bool:
+    """Whether reduction ``node`` (dims in its second argument, ``keepdim`` its third or a kwarg) leaves dim
+    ``row`` of its input where it was: reduced over other dims only, none dropped before it."""
+    args, kwargs = node.args, node.kwargs
+    dims = args[1] if len(args) > 1 else kwargs.get("dim")
+    keep = bool(args[2] if len(args) > 2 and not isinstance(args[2], Node) else kwargs.get("keepdim", False))
+    source = _val(args[0])
+    if source is None or not dims:
+        return False
+    reduced = [d % source.dim() for d in dims]
+    return row not in reduced and (keep or min(reduced) > row)
 
 
 def _sampled_row_selection(node: Node) -> tuple[Node, int] | None:

@@ -111,6 +111,33 @@ def test_the_selection_moves_above_the_row_wise_ops_and_the_answer_is_the_same()
     assert sum(n.target is aten.mul.Tensor and n.args[1] == 3.0 for n in graph.nodes) == 1
 
 
+def layer_norm_tail(h, wo, wd, nw, nb, rows):  # noqa: ANN001, ANN201
+    """A GPT-2-like tail: LayerNorm (``var_mean`` under inductor) and an MLP with biases (``addmm``)."""
+    x = h + F.linear(F.layer_norm(h, (D,), nw, nb), wo, nb)
+    y = x + F.linear(F.gelu(F.linear(F.layer_norm(x, (D,), nw, nb), wd.t(), None)), wd, nb)
+    return F.layer_norm(y, (D,), nw, nb)[:, rows]
+
+
+def test_a_layer_norm_tail_moves_too() -> None:
+    torch._dynamo.reset()
+    recorder = Recorder()
+    run = compiled(layer_norm_tail, recorder)
+    w = weights()
+    for m, selected in ((9, [2, 8]), (13, [0, 12, 5])):
+        h = torch.randn(1, m, D, generator=torch.Generator().manual_seed(m))
+        args = (h, w["wo"], w["wd"], w["nw"], w["nw"] * 0.5, torch.tensor(selected))
+        torch.testing.assert_close(run(*args), layer_norm_tail(*args), rtol=1e-5, atol=1e-5)
+    graph = recorder.graphs[0]
+    assert recorder.moved[0] >= 10
+    rows = next(n for n in graph.nodes if n.op == "placeholder" and isinstance(n.meta["val"], torch.Tensor)
+                and n.meta["val"].dtype == torch.int64).meta["val"].shape[0]  # fmt: skip
+    # nothing else reads the input here: every projection and every norm's statistics, on the selected rows
+    counts = [str(c) for c in mm_rows(graph)]
+    assert counts == [str(rows)] * 3
+    stats = [n for n in graph.nodes if n.target is aten.var_mean.correction]
+    assert [str(n.args[0].meta["val"].shape[1]) for n in stats] == [str(rows)] * 3
+
+
 def test_ops_that_read_other_rows_are_computed_whole() -> None:
     def scan(x, rows):  # noqa: ANN001, ANN202
         return torch.cumsum(x, dim=1)[:, rows] * 2.0  # every row of the scan reads the rows before it
