@@ -6,8 +6,9 @@ share between threads: a whole step's matmuls of the 30M Llama took 18.3 ms grou
 (bf16, 64 rows, 2 threads, an AMD EPYC; ``benchmarks/linear_backends_cpu.py``). vLLM's models fuse these
 layers when they load; this module does it without touching the model, in the compiled graph only:
 
-- ``GroupLinears``, an inductor post-grad pass (``compiled.inductor_options``), finds the
-  ``hf_paged_attn::packed_linear`` calls that share their input and replaces them with one
+- ``GroupLinears``, an inductor post-grad pass (run by ``sampled_rows.SAMPLED_ROWS``, the pass of
+  ``compiled.inductor_options``), finds the ``hf_paged_attn::packed_linear`` calls that share their
+  input and replaces them with one
   ``hf_paged_attn::packed_linear_group`` call, whose output columns are sliced back into the members';
 - the op multiplies by one packed copy of the members' weights concatenated (``_group_copy``), made the
   first time it runs (the compile's warm-up step) from weights ``packed_linear.pack`` packed, whose

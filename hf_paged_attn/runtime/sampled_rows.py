@@ -7,15 +7,18 @@ every row; nothing after its attention is). In the 30M Llama that is 11% of a pr
 vLLM computes them too (its ``logits_indices`` select rows after the final norm, as transformers'
 ``logits_to_keep`` does).
 
-``SampledRows``, an inductor post-grad pass (``compiled.inductor_options``), moves the row selection up
-the graph: ``index(f(x), rows)`` becomes ``f(index(x, rows))`` for every op ``f`` that computes each row
-from that row alone (``_row_wise``: pointwise ops and their broadcast operands, reductions and slices
-along other dims, reshapes that keep the leading dims, the packed projections, ``mm``), until it reaches
-an op it cannot see through (the last attention, a residual from the layers before), where it selects
-the rows from that op's output instead. The ops the selection no longer reads are then dead, and go.
-Each kept row is computed by exactly the ops it was before, on the same values: only the row count of
-the matmuls changes (oneDNN's fp32 and bf16 kernels sum a row's products in an order that does not
-depend on it: greedy parity in ``tests/runtime/test_sampled_rows.py``).
+``SampledRows``, an inductor post-grad pass (``compiled.inductor_options``; it then runs
+``linear_groups.GROUP_LINEARS``), moves the row selection up the graph: ``index(f(x), rows)`` becomes
+``f(index(x, rows))`` for every op ``f`` that computes each row from that row alone (``_Mover._through``:
+pointwise ops, their operands broadcast along the rows kept whole; reductions, ``var_mean`` and slices
+along other dims; reshapes that keep a row's elements together; the packed projections, ``mm``,
+``addmm``). It stops at an op it cannot see through (the last attention) and at a result something else
+also reads whole (the last layer's input, which its keys need), and selects the rows from that result
+instead: the moves are planned first, and only ops whose every reader moves too are rebuilt, so nothing
+is computed twice. The ops the selection no longer reads are then dead, and go. Each kept row goes
+through the same ops as before, on the same values; only the matmuls' row counts change (the pass on and
+off gave the same greedy tokens on every model tried: ``tests/runtime/test_sampled_rows.py``,
+``benchmarks/sampled_rows_ab.py``).
 
 ``$HF_PAGED_ATTN_SAMPLED_ROWS=0`` turns the pass off.
 """
