@@ -25,6 +25,7 @@ off gave the same greedy tokens on every model tried: ``tests/runtime/test_sampl
 
 from __future__ import annotations
 
+import logging
 import operator
 import os
 
@@ -37,6 +38,8 @@ from . import linear_groups
 from . import packed_linear as packing
 
 ENV = "HF_PAGED_ATTN_SAMPLED_ROWS"
+
+logger = logging.getLogger(__name__)
 
 aten = torch.ops.aten
 
@@ -283,7 +286,7 @@ class SampledRows(CustomGraphPass):
 def move_row_selections(graph: Graph) -> int:
     """Moves each ``x[:, rows]`` of ``graph`` above the row-wise ops that made ``x``; returns how many ops
     now run on the selected rows only."""
-    moved = 0
+    moved, inserted = 0, False
     for node in list(graph.nodes):
         found = _sampled_row_selection(node)
         if found is None:
@@ -294,15 +297,23 @@ def move_row_selections(graph: Graph) -> int:
         if value is None or not isinstance(value.shape[dim], torch.SymInt):
             continue  # a fixed row count: the graph of one shape, nothing to gain from moving
         mover = _Mover(graph, node, rows_node, value.shape[dim])
-        mover._through(source, dim)
-        mover.restrict()
-        if source not in mover.allowed:
+        built = False
+        try:
+            mover._through(source, dim)
+            mover.restrict()
+            if source not in mover.allowed:
+                continue
+            built = True
+            replacement = mover._through(source, dim)
+        except Exception:  # an op whose shapes it could not work out: this selection stays where it is
+            logger.debug("hf_paged_attn: a row selection not moved", exc_info=True)
             continue
-        replacement = mover._through(source, dim)
+        finally:
+            inserted = inserted or built
         node.replace_all_uses_with(replacement)
         graph.erase_node(node)
         moved += len(mover.moved)
-    if moved:
+    if inserted:  # what the selections no longer read, and what a failed build left unread
         graph.eliminate_dead_code()
     return moved
 

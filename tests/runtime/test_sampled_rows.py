@@ -156,6 +156,30 @@ def test_ops_that_read_other_rows_are_computed_whole() -> None:
         assert recorder.moved == [moved]
 
 
+def test_a_build_that_fails_halfway_leaves_the_selection_where_it_was(monkeypatch) -> None:
+    real = sampled_rows._Mover._make
+    made: list[object] = []
+
+    def make(self, target, args, kwargs, after):  # noqa: ANN001, ANN202
+        if not self.planning and len(made) >= 3:  # some nodes already inserted, then an op it can't build
+            raise RuntimeError("no fake value for this op")
+        node = real(self, target, args, kwargs, after)
+        made.append(node) if not self.planning else None
+        return node
+
+    monkeypatch.setattr(sampled_rows._Mover, "_make", make)
+    torch._dynamo.reset()
+    recorder = Recorder()
+    run = compiled(tail, recorder)
+    args = inputs(9, [2, 8])
+    for got, want in zip(run(*args), tail(*args)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert recorder.moved == [0] and len(made) == 3
+    graph = recorder.graphs[0]
+    assert not any(node in graph.nodes for node in made)  # the half-built nodes went with the dead code
+    assert len(mm_rows(graph)) == 4
+
+
 def test_the_switch_leaves_the_graph_alone(monkeypatch) -> None:
     seen: list[bool] = []
     monkeypatch.setattr(sampled_rows, "move_row_selections", lambda graph: seen.append(True) or 0)
@@ -189,7 +213,8 @@ def test_compiled_engine_runs_the_last_layer_on_the_sampled_rows_and_equals_sdpa
     prompts = ragged_prompts(5, 3, 40, seed=4)
     expected = [reference_greedy(ref, p, 12) for p in prompts]
     torch._dynamo.reset()
-    with torch._inductor.config.patch(fx_graph_cache=False):  # the pass runs only when the graph is compiled
+    # The pass runs only when a graph is compiled, not when a cache (inductor's, AOT autograd's) serves it.
+    with torch._inductor.config.patch(force_disable_caches=True):
         with ContinuousBatchingEngine(paged, PagedConfig(num_blocks=64, compile=True, max_batch_tokens=32)) as engine:
             inner = getattr(engine.executor, "inner", engine.executor)
             assert isinstance(inner, CompiledExecutor)
