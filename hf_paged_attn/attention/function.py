@@ -78,8 +78,6 @@ def paged_attention_forward(
     if inputs.is_decode:
         new_k = pad_head_dim(key[0].transpose(0, 1), layer.width).unsqueeze(1)  # [B, 1, H_kv, D], appended in place
         new_v = pad_head_dim(value[0].transpose(0, 1), layer.width).unsqueeze(1)
-        if new_k.stride() != new_v.stride():  # one layout for both, which the native CPU kernel reads them with
-            new_k, new_v = torch.stack((new_k, new_v)).unbind(0)
         out = context.backend.paged_decode_attention(
             q.unsqueeze(1),  # [B, 1, H, D]: one token per request
             layer.keys,
@@ -201,6 +199,10 @@ def step_attention(
     n, rows = step.num_tokens, query.shape[2]
     if n == 0:  # a compile's example step: padding rows only
         return query.new_zeros(1, rows, query.shape[1], value.shape[-1])
+    if step.context.step.is_decode and LEAN_DECODE and not sliding_window and not softcap and s_aux is None:
+        out = _lean_decode(step, layer_idx, query, key, value, scaling)
+        if out is not None:
+            return out
     if n < rows:
         query, key, value = query[:, :, :n], key[:, :, :n], value[:, :, :n]
     key, value = step.cache.update(key, value, layer_idx)
@@ -213,6 +215,39 @@ def step_attention(
     full = out.new_zeros(1, rows, *out.shape[2:])  # [1, M, H, D_v]
     full[:, :n] = out
     return full
+
+
+# Whether a compiled decode step's layers take ``_lean_decode`` (tests and ``benchmarks/lean_decode_ab.py`` turn
+# it off to compare; the general path computes the same).
+LEAN_DECODE = True
+_DECODE_LAYERS = "decode_layers"  # the key of a step's prepared calls in its ``LayerInputs.memo``
+
+
+def _lean_decode(
+    step: CompiledStep, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
+) -> torch.Tensor | None:
+    """A compiled decode step's layer through the backend's calls prepared for the whole step
+    (``AttentionBackend.decode_layers``), without the general path's per-call work (the cache's bookkeeping,
+    the identity checks of ``check_attention_call``, views, padding, the backend's planning): [1, M, H, D],
+    or None where that does not apply (then the general path runs). The checks it skips guard eager forwards
+    of arbitrary models; here the graph itself hands this op the K/V it wrote, for a model whose first step
+    (a prefill, always through the general path) passed them."""
+    layer = step.cache.layers[layer_idx]
+    if not layer.is_initialized:
+        return None
+    context = step.context
+    inputs = context.inputs(layer.group, query.device)
+    calls = inputs.memo.get(_DECODE_LAYERS, False)
+    if calls is False:  # the step's first layer of this group: prepare (None: the backend has no lean path)
+        calls = inputs.memo[_DECODE_LAYERS] = context.backend.decode_layers(
+            query, key, value, layer.keys, inputs.cache_seqlens, inputs.block_table, inputs.max_length_k, scaling
+        )
+    if calls is None:
+        return None
+    out = calls(query, key, value, layer.keys, layer.values, scaling)
+    if out is not None:
+        layer.window = None  # as the general path records it: this layer attended to every key
+    return out
 
 
 @step_attention.register_fake

@@ -36,6 +36,7 @@ call with one ``memo`` passes the same lengths and block table.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -113,6 +114,26 @@ class AttentionBackend(ABC):
         sinks: torch.Tensor | None = None,
         memo: dict | None = None,
     ) -> torch.Tensor: ...
+
+    def decode_layers(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        cache_seqlens: torch.Tensor,
+        block_table: torch.Tensor,
+        max_seqlen_k: int,
+        softmax_scale: float,
+    ) -> Callable[..., torch.Tensor | None] | None:
+        """Optional: a decode step's calls, prepared once for all its layers (plain causal attention: no
+        window, softcap or sinks), for the compiled forward's attention op. Given the first layer's query
+        [1, H, M, D] and new key/value [1, H_kv, M, D] (M >= the step's B requests, one token each), its
+        pages, and the step's lengths and block table ([B], [B, W] int32), returns a callable
+        ``(query, key, value, k_cache, v_cache, softmax_scale) -> [1, M, H, D] | None`` that appends each
+        layer's new K/V to its pages and attends (padding rows zero), or None from a layer it can't take as
+        prepared. None here: the backend has no such path (``paged_decode_attention`` runs every layer)."""
+        return None
 
     @abstractmethod
     def paged_decode_attention(

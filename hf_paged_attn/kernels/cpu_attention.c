@@ -21,7 +21,8 @@
  *   q: decode [B, 1, H, D], prefill [total_q, H, D] (strides q_s0 per token, q_s1 per head, 1);
  *   out: the same shape (strides o_s0, o_s1, 1);
  *   k_cache, v_cache [num_blocks, block_size, H_kv, D] contiguous;
- *   k_new, v_new [B, H_kv, D] (strides new_sb, new_sh, 1) or NULL (decode only): written at seqlens[b];
+ *   k_new [B, H_kv, D] (strides new_sb, new_sh, 1), v_new likewise (strides new_v_sb, new_v_sh, 1), or both NULL
+ *     (decode only): written at seqlens[b];
  *   seqlens int32 [B]: decode: tokens before k_new (with k_new NULL: tokens to attend to); prefill: keys;
  *   cu_q int32 [B + 1] (prefill) or NULL (decode: one query per request);
  *   table int32 [B, W] block ids (< 0 or >= num_blocks: no page, its keys are invisible); sinks fp32 [H] or NULL.
@@ -55,6 +56,7 @@ typedef struct {
     int32_t causal;  /* prefill: bottom-right causal mask (decode is always causal) */
     int32_t cascade; /* decode: group requests that share leading blocks and read those once per group */
     int32_t num_groups; /* out: shared-prefix groups the last decode call formed (for tests and benchmarks) */
+    int64_t new_v_sb, new_v_sh; /* v_new's strides (a view of another tensor than k_new's, e.g. a fused projection) */
 } Args;
 
 enum { F32 = 0, BF16 = 1 };
@@ -834,9 +836,10 @@ static int append(const Args *a) {
         const int64_t pos = a->seqlens[b], block = block_of(a, b, pos);
         const int64_t slot = block * a->block_size + pos % a->block_size;
         for (int64_t h = 0; h < a->kv_heads; h++) {
-            const int64_t dst = (slot * a->kv_heads + h) * a->dim, src = b * a->new_sb + h * a->new_sh;
-            memcpy((char *)a->k_cache + dst * size, (const char *)a->k_new + src * size, a->dim * size);
-            memcpy((char *)a->v_cache + dst * size, (const char *)a->v_new + src * size, a->dim * size);
+            const int64_t dst = (slot * a->kv_heads + h) * a->dim;
+            const int64_t k_src = b * a->new_sb + h * a->new_sh, v_src = b * a->new_v_sb + h * a->new_v_sh;
+            memcpy((char *)a->k_cache + dst * size, (const char *)a->k_new + k_src * size, a->dim * size);
+            memcpy((char *)a->v_cache + dst * size, (const char *)a->v_new + v_src * size, a->dim * size);
         }
     }
     return 0;

@@ -77,6 +77,8 @@ class _Args(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("softcap", ctypes.c_float),
         *((name, ctypes.c_int32) for name in ("dtype", "num_threads", "isa", "causal", "cascade", "num_groups")),
+        ("new_v_sb", ctypes.c_int64),
+        ("new_v_sh", ctypes.c_int64),
     ]
 
 
@@ -298,9 +300,8 @@ def paged_decode(
         )
     if not _readable(q, k_cache, v_cache, cache_seqlens, block_table) or (
         appended
-        and (new[0].dtype != q.dtype or new[1].dtype != q.dtype or new[0].stride(-1) != 1
-             or new[0].stride() != new[1].stride())
-    ):  # fmt: skip
+        and (new[0].dtype != q.dtype or new[1].dtype != q.dtype or new[0].stride(-1) != 1 or new[1].stride(-1) != 1)
+    ):
         return None
     sinks = sinks.float().contiguous() if sinks is not None else None
     out = torch.empty(b, 1, h, d, dtype=q.dtype)
@@ -313,6 +314,7 @@ def paged_decode(
         q.stride(0), q.stride(2), out.stride(0), out.stride(2),
         new[0].stride(0) if new else 0, new[0].stride(1) if new else 0,
         window_left, softmax_scale, softcap, dtype, threads, _isa(isa), 1, int(shared_prefix), 0,
+        new[1].stride(0) if new else 0, new[1].stride(1) if new else 0,
     )  # fmt: skip
     status = lib.paged_decode(ctypes.byref(args))
     if status == 2:
@@ -322,6 +324,105 @@ def paged_decode(
     if info is not None:
         info["groups"] = args.num_groups
     return out
+
+
+class DecodeLayers:
+    """One decode step's native calls, layer after layer, for the compiled forward's attention op
+    (``attention/function.py``): one ``_Args`` block holds what the step's layers share (lengths, block table,
+    shapes, strides, scale, threads), set at the first layer (``make``); each call sets only its layer's
+    pointers. ``paged_decode`` checks and reshapes every argument at every call: inside a step, where the
+    matmuls between two layers leave the caches cold, that cost more than the kernel for a few requests
+    (benchmarks/README.md, fifteenth session).
+
+    Layouts are the model's own, nothing copied: query [1, H, M, D] and the new key / value [1, H_kv, M, D]
+    (any strides with a unit last one: the layers' projections and rotary embeddings give views), of which
+    the first B rows are the step's requests (M >= B: the rest are padding rows, never read); the output
+    [1, M, H, D] contiguous, its padding rows zero. A layer whose tensors differ from the first's in shape,
+    strides or dtype gets None (the caller takes the general path)."""
+
+    __slots__ = ("args", "args_ref", "lib", "batch", "layout", "dtype", "scale")
+
+    def __init__(
+        self, lib: ctypes.CDLL, args: _Args, batch: int, layout: tuple, dtype: torch.dtype, scale: float
+    ) -> None:
+        self.lib, self.args, self.batch, self.layout, self.dtype, self.scale = lib, args, batch, layout, dtype, scale
+        self.args_ref = ctypes.byref(args)  # made once: every call passes the same block
+
+    @classmethod
+    def make(
+        cls,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        cache_seqlens: torch.Tensor,
+        block_table: torch.Tensor,
+        max_len: int,
+        softmax_scale: float,
+        *,
+        shared_prefix: bool = True,
+        isa: str | None = None,
+    ) -> DecodeLayers | None:
+        """The step's calls shaped after this layer's tensors; None where the kernel can't take them (then
+        ``paged_decode``'s general path decides). ``cache_seqlens`` int32 [B], ``block_table`` int32 [B, W],
+        ``max_len`` the longest request's keys, new token included."""
+        dtype = _DTYPES.get(query.dtype)
+        if dtype is None or query.device.type != "cpu" or query.dim() != 4 or (lib := library()) is None:
+            return None
+        _, h, m, d = query.shape
+        b, hk = cache_seqlens.shape[0], k_cache.shape[2]
+        if (
+            query.shape[0] != 1 or key.shape != (1, hk, m, d) or value.shape != key.shape
+            or k_cache.shape[3] != d or d > MAX_HEAD_DIM or h % hk != 0 or not 0 < b <= m
+            or cache_seqlens.shape != (b,) or block_table.dim() != 2 or block_table.shape[0] != b
+            or cache_seqlens.dtype != torch.int32 or block_table.dtype != torch.int32
+            or not (cache_seqlens.is_contiguous() and block_table.is_contiguous())
+            or query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1
+        ):  # fmt: skip
+            return None
+        layout = (query.shape, query.stride(), key.stride(), value.stride(), k_cache.shape)
+        threads = torch.get_num_threads() if b * h * max_len * d > threaded_work() else 1
+        args = _Args(
+            0, 0, 0, 0, 0, 0, cache_seqlens.data_ptr(), None, block_table.data_ptr(), None,
+            b, h, hk, d, k_cache.shape[1], block_table.shape[1], k_cache.shape[0],
+            query.stride(2), query.stride(1), h * d, d, key.stride(2), key.stride(1),
+            -1, softmax_scale, 0.0, dtype, threads, _isa(isa), 1, int(shared_prefix), 0,
+            value.stride(2), value.stride(1),
+        )  # fmt: skip
+        return cls(lib, args, b, layout, query.dtype, softmax_scale)
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        softmax_scale: float,
+    ) -> torch.Tensor | None:
+        """This layer's attention output [1, M, H, D] (new K/V appended to its pages first), or None when its
+        tensors or scale are not those ``make`` was given the like of (nothing done then)."""
+        dtype = self.dtype
+        if (
+            softmax_scale != self.scale
+            or (query.shape, query.stride(), key.stride(), value.stride(), k_cache.shape) != self.layout
+            or query.dtype != dtype or key.dtype != dtype or value.dtype != dtype
+            or k_cache.dtype != dtype or v_cache.dtype != dtype or v_cache.shape != k_cache.shape
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+        ):  # fmt: skip
+            return None  # (the layout, equal to ``make``'s, includes the unit last strides it checked)
+        _, h, m, d = query.shape
+        # [1, M, H, D]; the padding rows of the executor's bucket (M > B) zero, which the kernel never writes
+        out = torch.empty(1, m, h, d, dtype=dtype) if m == self.batch else torch.zeros(1, m, h, d, dtype=dtype)
+        args = self.args
+        args.q, args.out, args.k_new, args.v_new = query.data_ptr(), out.data_ptr(), key.data_ptr(), value.data_ptr()
+        args.k_cache, args.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+        status = self.lib.paged_decode(self.args_ref)
+        if status == 2:
+            raise ValueError("paged decode: a request has no cache block for its new token (block_table too short)")
+        if status != 0:
+            raise MemoryError("paged decode: the native kernel could not allocate its scratch memory")
+        return out
 
 
 def paged_prefill(

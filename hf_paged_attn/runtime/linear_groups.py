@@ -44,9 +44,15 @@ class _Group:
     bias: torch.Tensor | None
     made_of: tuple[int, int]  # the members' weights' and biases' ``fingerprint`` when made
     layouts: tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype], ...]  # each weight's shape, stride, dtype
+    # The very weights concatenated and their version counters then (``_quick``), where no member has a bias.
+    sources: tuple[weakref.ReferenceType[torch.Tensor], ...] = ()
+    versions: tuple[int, ...] = ()
 
 
 _GROUPS: dict[tuple[int, ...], _Group] = {}  # the members' weights' data pointers -> their group copy
+# id(first member's weight) -> its group: the graph passes the same weight objects at every call, and this
+# finds their group with the fewest Python steps (``_quick``; a step's caches are cold between matmuls).
+_BY_FIRST: dict[int, _Group] = {}
 _MAKING = threading.Lock()  # two engines' steps may meet a group's first call at once
 
 
@@ -61,10 +67,22 @@ def _holds(entry: _Group | None, weights: list[torch.Tensor], biases: list[torch
     return entry.made_of == fingerprint([*weights, *biases]) and entry.layouts == _layouts(weights)
 
 
+def _quick(entry: _Group | None, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> bool:
+    """Whether ``entry`` was made of exactly the tensors ``weights``, each at its version then, without biases."""
+    if entry is None or len(entry.sources) != len(weights):
+        return False
+    for ref, version, w, b in zip(entry.sources, entry.versions, weights, biases):
+        if ref() is not w or w._version != version or b is not None:
+            return False
+    return True
+
+
 def _drop(key: tuple[int, ...], entry: _Group) -> None:
     """Forgets ``entry`` when one of its weights is freed (unless a newer copy took its key)."""
     if _GROUPS.get(key) is entry:
         del _GROUPS[key]
+    for first in [first for first, found in _BY_FIRST.items() if found is entry]:
+        del _BY_FIRST[first]
 
 
 def _make(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> _Group:
@@ -73,7 +91,11 @@ def _make(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> _Gr
     if any(b is not None for b in biases):
         bias = torch.cat([b.detach() if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
     packed = torch.ops.mkldnn._reorder_linear_weight(cat, packing.PACK_ROWS)
-    return _Group(packed, bias, fingerprint([*weights, *biases]), _layouts(weights))
+    made_of = fingerprint([*weights, *biases])
+    if bias is not None:
+        return _Group(packed, bias, made_of, _layouts(weights))
+    sources, versions = tuple(weakref.ref(w) for w in weights), tuple(w._version for w in weights)
+    return _Group(packed, bias, made_of, _layouts(weights), sources, versions)
 
 
 def _group_copy(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> _Group | None:
@@ -81,18 +103,18 @@ def _group_copy(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) 
     them, so they are wanted and fit); None when it can't be had (then each member runs on its own)."""
     key = tuple(w.data_ptr() for w in weights)
     entry = _GROUPS.get(key)
-    if _holds(entry, weights, biases):
-        return entry
-    with _MAKING, torch.inference_mode():
-        entry = _GROUPS.get(key)
-        if _holds(entry, weights, biases):
-            return entry
-        if any(packing._lookup(w) is None for w in weights):
-            return None
-        entry = _GROUPS[key] = _make(weights, biases)
-        for w in weights:
-            weakref.finalize(w, _drop, key, entry)
-            packing._PACKED.pop(w.data_ptr(), None)  # the graph multiplies by the group's copy instead
+    if not _holds(entry, weights, biases):
+        with _MAKING, torch.inference_mode():
+            entry = _GROUPS.get(key)
+            if not _holds(entry, weights, biases):
+                if any(packing._lookup(w) is None for w in weights):
+                    return None
+                entry = _GROUPS[key] = _make(weights, biases)
+                for w in weights:
+                    weakref.finalize(w, _drop, key, entry)
+                    packing._PACKED.pop(w.data_ptr(), None)  # the graph multiplies by the group's copy instead
+    if entry.sources:
+        _BY_FIRST[id(weights[0])] = entry
     return entry
 
 
@@ -100,13 +122,18 @@ def unpack(model: torch.nn.Module) -> None:
     """Drops the group copies of ``model``'s weights (the op then runs each member on its own)."""
     ptrs = {w.data_ptr() for w in packing._weights(model)}
     for key in [key for key in _GROUPS if ptrs.intersection(key)]:
-        _GROUPS.pop(key, None)
+        entry = _GROUPS.pop(key, None)
+        for first in [first for first, found in _BY_FIRST.items() if found is entry]:
+            del _BY_FIRST[first]
 
 
 def _packed_linear_group(
     x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]
 ) -> torch.Tensor:
     """``cat([F.linear(x, w, b) for each member], -1)``, as one matmul on the members' group copy."""
+    entry = _BY_FIRST.get(id(weights[0]))
+    if x.dtype == weights[0].dtype and _quick(entry, weights, biases):  # the graph's usual call: its very weights
+        return torch.ops.mkldnn._linear_pointwise(x, entry.packed, None, "none", [], "")
     entry = _group_copy(weights, biases) if all(w.dtype == x.dtype for w in weights) else None
     if entry is None or (entry.bias is not None and entry.bias.dtype != x.dtype):
         return torch.cat([packing.packed_linear(x, w, b) for w, b in zip(weights, biases)], dim=-1)

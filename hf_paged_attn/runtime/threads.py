@@ -9,8 +9,9 @@ small model, while the 30M model's float32 prefill needs both cores. With a shor
 process holds the core. No fixed rule covers every model, dtype, step size and machine load, so the
 engine measures: ``ThreadTuner`` times the steps of each size bucket with each candidate count,
 alternating, keeps the faster (median of ``TRIALS``; sooner when one is clearly faster in every step,
-``EARLY_TRIALS``, a choice that holds for ``EARLY_HOLD_STEPS`` timed steps before the others run again),
-and measures again every ``REMEASURE_STEPS`` steps of the bucket, since the machine's load changes. A
+``EARLY_TRIALS``, a choice that holds for ``EARLY_HOLD_STEPS`` timed steps before the others run again, as a
+choice by less than ``CLEAR_MARGIN`` does), and measures again every ``REMEASURE_STEPS`` steps of the bucket,
+since the machine's load changes. A
 rare step size borrows the count its measured neighbours agree on (``RARE_STEPS``).
 
 ``ThreadTunedExecutor`` wraps the engine's executor (the seam of ``executor.py``): the chosen count
@@ -130,8 +131,14 @@ class ThreadTuner:
             state.samples[threads].append(seconds)
         needed = EARLY_TRIALS if state.confirming else self.trials  # confirming: the held choice has its timings
         if all(len(times) >= needed for times in state.samples.values()):
-            state.choice = min(self.candidates, key=lambda c: statistics.median(state.samples[c]))
+            medians = {c: statistics.median(state.samples[c]) for c in self.candidates}
+            state.choice = min(self.candidates, key=medians.__getitem__)
             state.confirming = False
+            # A close call (some other count within CLEAR_MARGIN) holds only EARLY_HOLD_STEPS before it is checked
+            # again, as an early choice is: a moment of load can tip it, and then it would hold for
+            # ``remeasure_steps`` (a bundled-model process's 33-64-token steps on one thread for a whole benchmark,
+            # 1,537-1,561 tokens/s against 1,987-2,180 on two).
+            state.early = any(medians[c] < medians[state.choice] * CLEAR_MARGIN for c in medians if c != state.choice)
         elif not state.confirming:
             state.choice = self._clear_winner(state)
             state.early = state.choice is not None

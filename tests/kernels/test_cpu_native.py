@@ -193,3 +193,61 @@ def test_prefill_refuses_what_it_cannot_read() -> None:
     assert cpu_native.paged_prefill(q, strided, strided, cu_q, used, table.int(), *args) is None
     with pytest.raises(ValueError, match="block_table"):
         cpu_native.paged_prefill(q, pages, pages, cu_q, used, table.int()[:0], *args)
+
+
+def _model_layout(case: dict, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``case``'s query and new K/V as a layer of a compiled step hands them over, [1, heads, M, D] (M = ``rows``
+    >= B, the rows past B padding): query and value views of one fused projection output [1, M, H + 2 H_kv, D]
+    transposed, the key a tensor of its own ([1, M, H_kv, D] transposed, as a rotary embedding returns it), so
+    that K and V have different strides and none of the three is contiguous."""
+    q, k, v = case["q"][:, 0], case["k"][:, 0], case["v"][:, 0]  # [B, heads, D]
+    batch, heads, kv_heads = q.shape[0], q.shape[1], k.shape[1]
+    fused = torch.full((1, rows, heads + 2 * kv_heads, q.shape[-1]), float("nan"), dtype=q.dtype)
+    fused[0, :batch] = torch.cat([q, torch.zeros_like(k), v], dim=1)
+    query, _, value = fused.split([heads, kv_heads, kv_heads], dim=2)
+    key = torch.full((1, rows, kv_heads, q.shape[-1]), float("nan"), dtype=q.dtype)
+    key[0, :batch] = k
+    return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_layers_equal_the_general_call_on_views_with_padding_rows(dtype: torch.dtype) -> None:
+    """``DecodeLayers`` (one argument block per step, each layer's pointers set per call) gives the general
+    ``paged_decode``'s output and pages, bit for bit, reading the model's strided views (K and V with
+    different strides) and zeroing the padding rows, layer after layer."""
+    layers = [_case(seed, batch=5, dtype=dtype) for seed in (3, 4)]
+    for case in layers:  # one step: every layer shares the lengths and the block table
+        case["cache_seqlens"], case["block_table"] = layers[0]["cache_seqlens"], layers[0]["block_table"]
+    general = [{name: t.clone() for name, t in case.items()} for case in layers]
+    expected = [_native(case) for case in general]  # [B, 1, H, D]
+    views = [_model_layout(case, rows=7) for case in layers]
+    assert views[0][1].stride() != views[0][2].stride()
+    first, seqlens, table = layers[0], layers[0]["cache_seqlens"], layers[0]["block_table"]
+    max_len = int(seqlens.max()) + 1
+    calls = cpu_native.DecodeLayers.make(*views[0], first["k_cache"], seqlens, table, max_len, 0.125)
+    assert calls is not None
+    for case, (query, key, value), want, pages in zip(layers, views, expected, general):
+        out = calls(query, key, value, case["k_cache"], case["v_cache"], 0.125)
+        assert out is not None and out.shape == (1, 7, 6, 64) and out.is_contiguous()
+        assert torch.equal(out[0, :5], want[:, 0]) and not out[0, 5:].any()
+        assert torch.equal(case["k_cache"], pages["k_cache"]) and torch.equal(case["v_cache"], pages["v_cache"])
+
+
+@needs_compiler
+def test_decode_layers_refuse_a_layer_unlike_the_first() -> None:
+    """Another scale, dtype, stride or page shape than the step's first layer: None, nothing written."""
+    case = _case(5)
+    query, key, value = _model_layout(case, rows=5)
+    args = (case["k_cache"], case["cache_seqlens"], case["block_table"], int(case["cache_seqlens"].max()) + 1, 0.125)
+    calls = cpu_native.DecodeLayers.make(query, key, value, *args)
+    assert calls is not None
+    pages = case["k_cache"].clone()
+    assert calls(query, key, value, case["k_cache"], case["v_cache"], 0.25) is None
+    assert calls(query.contiguous(), key, value, case["k_cache"], case["v_cache"], 0.125) is None
+    assert calls(query, key, value, case["k_cache"][:-1], case["v_cache"][:-1], 0.125) is None
+    bf16 = [t.bfloat16() for t in (query, key, value, case["k_cache"], case["v_cache"])]
+    assert calls(*bf16, 0.125) is None
+    assert torch.equal(pages, case["k_cache"])
+    wider = torch.zeros(1, 6, 5, 128)  # a head dim the pages do not have: not prepared at all
+    assert cpu_native.DecodeLayers.make(wider, wider[:, :2], wider[:, :2], *args) is None

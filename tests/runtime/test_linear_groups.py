@@ -84,6 +84,34 @@ def test_a_changed_member_never_uses_the_group_copy(group_hits) -> None:
 
 
 @needs_packing
+def test_the_quick_path_serves_only_the_very_weights_grouped_unchanged(group_hits) -> None:
+    """Members without biases: after the first call finds their group, later calls with the same weight objects
+    skip ``_group_copy`` (``_quick``); a member changed in place or replaced goes back to it and to F.linear."""
+    layers = members(PACKED[0], (False, False, False))
+    for layer in layers:
+        packed_linear.pack(layer)
+    x = torch.randn(3, 32, dtype=PACKED[0])
+    first = run_group(layers, x)
+    assert group_hits == [True] and linear_groups._BY_FIRST[id(layers[0].weight)] is not None
+    assert torch.equal(run_group(layers, x), first) and group_hits == [True]  # served without _group_copy
+    with torch.no_grad():
+        layers[2].weight.mul_(3.0)  # in place: its version moves
+    torch.testing.assert_close(run_group(layers, x), want(layers, x), rtol=2e-2, atol=2e-2)
+    assert group_hits == [True, False]
+    layers = members(PACKED[0], (False, False, False))
+    for layer in layers:
+        packed_linear.pack(layer)
+    run_group(layers, x)
+    entry = linear_groups._BY_FIRST[id(layers[0].weight)]
+    layers[1].weight = nn.Parameter(layers[1].weight.detach() * 2)  # replaced: another object
+    torch.testing.assert_close(run_group(layers, x), want(layers, x), rtol=2e-2, atol=2e-2)
+    assert group_hits == [True, False, True, False]
+    del layers
+    gc.collect()  # a freed member drops its group, from both tables
+    assert all(found is not entry for found in linear_groups._BY_FIRST.values())
+
+
+@needs_packing
 def test_unpacked_members_are_not_grouped_and_a_freed_weight_drops_its_group(group_hits) -> None:
     layers = members(PACKED[0])
     x = torch.randn(3, 32, dtype=PACKED[0])

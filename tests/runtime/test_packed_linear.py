@@ -81,6 +81,29 @@ def test_a_changed_or_other_weight_never_uses_the_copy(counted) -> None:
     assert counted[-1] is True
 
 
+@pytest.mark.skipif(not packed_linear.DTYPES, reason="this CPU packs no dtype")
+def test_the_quick_check_takes_only_the_very_tensor_packed_unchanged(monkeypatch) -> None:
+    """The op's usual call (the weight object packed, at its version then) skips ``_holds``; a view sharing its
+    pointer, a weight changed in place or one replaced goes through ``_holds`` and never uses the copy."""
+    dtype = packed_linear.DTYPES[0]  # float32 on this project's AMD machines, bf16 on Intel ones with AMX
+    torch.manual_seed(0)
+    square = nn.Linear(64, 64, bias=False).to(dtype)
+    assert packed_linear.pack(square) == 1
+    checked: list[bool] = []
+    real = packed_linear._holds
+    monkeypatch.setattr(packed_linear, "_holds", lambda entry, w: checked.append(real(entry, w)) or checked[-1])
+    x = torch.randn(3, 64, dtype=dtype)
+    with torch.inference_mode():
+        assert packed_linear._lookup(square.weight) is not None and checked == []  # quick: no _holds
+        assert packed_linear._lookup(square.weight.t()) is None and checked == [False]  # same pointer, a view
+        torch.testing.assert_close(packed_linear.packed_linear(x, square.weight, None), F.linear(x, square.weight))
+    with torch.no_grad():
+        square.weight.mul_(3.0)  # in place: the version moves, the copy is stale
+    with torch.inference_mode():
+        assert packed_linear._lookup(square.weight) is None and checked == [False, False]
+        torch.testing.assert_close(packed_linear.packed_linear(x, square.weight, None), F.linear(x, square.weight))
+
+
 @needs_onednn_bf16
 def test_a_freed_weight_drops_its_copy() -> None:
     layer = linear()

@@ -11,6 +11,7 @@ import torch
 
 import hf_paged_attn  # noqa: F401  (registers "paged")
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
+from hf_paged_attn.attention import function
 from hf_paged_attn.runtime.threads import (
     EARLY_HOLD_STEPS,
     EARLY_TRIALS,
@@ -93,6 +94,22 @@ def test_a_clear_winner_decides_after_two_steps_each() -> None:
     for threads, seconds in ((1, 0.22), (2, 0.20), (1, 0.21), (2, 0.19)):
         close.record(200, threads, seconds)
     assert close.choices() == {}
+
+
+def test_a_close_call_is_checked_again_after_the_early_hold() -> None:
+    """Medians within CLEAR_MARGIN (a moment of load can tip them): the choice holds EARLY_HOLD_STEPS, not
+    remeasure_steps, then the other count runs EARLY_TRIALS steps against the held timings; once the load is
+    gone the faster count wins, by a clear margin, and holds for remeasure_steps."""
+    tuner = ThreadTuner((1, 2), trials=3, remeasure_steps=1000)
+    for threads, seconds in ((1, 0.30), (2, 0.33), (1, 0.31), (2, 0.32), (1, 0.30), (2, 0.34)):  # 2: a busy core
+        tuner.record(64, threads, seconds)
+    assert tuner.choices() == {6: 1} and tuner.buckets[6].early
+    for _ in range(EARLY_HOLD_STEPS):
+        tuner.record(64, tuner.choose(64), 0.30)
+    assert tuner.choices() == {} and tuner.choose(64) == 2
+    for _ in range(EARLY_TRIALS):
+        tuner.record(64, tuner.choose(64), 0.20)  # the core is free again
+    assert tuner.choices() == {6: 2} and not tuner.buckets[6].early
 
 
 def test_a_rare_step_size_runs_what_its_measured_neighbours_agree_on() -> None:
@@ -235,11 +252,19 @@ def test_compiled_engine_runs_every_count_on_one_graph(llama_dir, two_threads) -
             seen.append(torch.get_num_threads())
             return update(*args, **kwargs)
 
+        lean = function._lean_decode  # a decode step's layers skip cache.update
+
+        def counting_lean(*args):  # noqa: ANN002, ANN202
+            seen.append(torch.get_num_threads())
+            return lean(*args)
+
         cache.update = counting_update
+        function._lean_decode = counting_lean
         try:
             got = [o.output_ids for o in engine.generate(prompts, max_new_tokens=12)]
         finally:
             del cache.update
+            function._lean_decode = lean
         assert inner.num_compiled_steps > 5
         assert {1, 2} <= {c for b in engine.executor.tuner.buckets.values() for c, s in b.samples.items() if s}
         assert set(seen) == {1, 2}  # the graph's body ran at each step's count

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import cpu_native
 from ..base import AttentionBackend
 from .decode import paged_decode_attention
 from .prefill import paged_prefill_attention, write_kv
@@ -44,3 +45,20 @@ class TorchBackend(AttentionBackend):
     write_kv = staticmethod(write_kv)
     paged_prefill_attention = staticmethod(paged_prefill_attention)
     paged_decode_attention = staticmethod(paged_decode_attention)
+
+    @staticmethod
+    def decode_layers(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        cache_seqlens: torch.Tensor,
+        block_table: torch.Tensor,
+        max_seqlen_k: int,
+        softmax_scale: float,
+    ) -> cpu_native.DecodeLayers | None:
+        """On CPU, the native decode prepared once per step (``cpu_native.DecodeLayers``); None elsewhere."""
+        if query.device.type != "cpu":
+            return None
+        return cpu_native.DecodeLayers.make(query, key, value, k_cache, cache_seqlens, block_table, max_seqlen_k,
+                                            softmax_scale)  # fmt: skip

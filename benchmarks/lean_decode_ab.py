@@ -1,0 +1,78 @@
+"""A compiled decode step's attention with and without ``function._lean_decode`` (the step's native calls
+prepared once, each layer's only setting its pointers), in one process on one engine: the switch
+(``function.LEAN_DECODE``) is read by the attention op at run time, so both variants run the same graph,
+their runs alternating so both see the same host. Prints each run's wall time, the medians, their ratio
+and whether the tokens agree.
+
+    python benchmarks/lean_decode_ab.py [--row random|demo] [--prompts N] [--new-tokens workload|N] [--rounds 5]
+
+``--prompts 1 --new-tokens 128``: batch 1 (decode steps of one request, where the op's own cost weighs most);
+the defaults: the row's whole workload. Timings are noisy on shared cores: read the per-round ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("GOMP_SPINCOUNT", "3000")  # as our commands run (hf_paged_attn._env.CLI_DEFAULTS)
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, GenerationConfig  # noqa: E402
+
+import hf_paged_attn  # noqa: E402, F401  registers "paged"
+from hf_paged_attn import ContinuousBatchingEngine, PagedConfig  # noqa: E402
+from hf_paged_attn.attention import function  # noqa: E402
+from hf_paged_attn.core.blocks import blocks_for  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+import vs_vllm  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--row", choices=("random", "demo"), default="random")
+    parser.add_argument("--prompts", type=int, default=0, help="the row's first N prompts (0: all)")
+    parser.add_argument("--new-tokens", default="workload", help="'workload' or a number for every prompt")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache" / "hf_paged_attn" / "vs_vllm")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    job = vs_vllm.workload(args.row, args.work_dir)
+    prompts = job["prompts"][: args.prompts or None]
+    new = job["max_new_tokens"][: len(prompts)] if args.new_tokens == "workload" else int(args.new_tokens)
+    model = AutoModelForCausalLM.from_pretrained(job["model"], attn_implementation="paged", dtype=torch.float32)
+    config = PagedConfig(enable_prefix_caching=False, compile=True)
+    block_size = config.resolved(torch.device("cpu")).block_size
+    counts = new if isinstance(new, list) else [new] * len(prompts)
+    num_blocks = sum(blocks_for(len(p) + n, block_size) for p, n in zip(prompts, counts))
+    greedy = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0)
+    engine = ContinuousBatchingEngine(model.eval(), config, generation_config=greedy, num_blocks=num_blocks)
+    engine.executor.wait()
+    walls: dict[str, list[float]] = {"lean": [], "general": []}
+    tokens: dict[str, list[list[int]]] = {}
+    for round_ in range(args.rounds + 1):  # round 0: warm-up of both
+        for name in walls:
+            function.LEAN_DECODE = name == "lean"
+            start = time.perf_counter()
+            outs = engine.generate(prompts, max_new_tokens=new, progress_bar=False)
+            if round_:
+                walls[name].append(time.perf_counter() - start)
+            tokens[name] = [list(o.output_ids) for o in outs]
+    function.LEAN_DECODE = True
+    for name, runs in walls.items():
+        print(f"{name:8s}: runs {', '.join(f'{w:.3f}' for w in runs)} s, median {statistics.median(runs):.3f} s")
+    per_round = [general / lean for lean, general in zip(walls["lean"], walls["general"])]
+    same = sum(a == b for a, b in zip(tokens["lean"], tokens["general"]))
+    print(f"general / lean: {statistics.median(walls['general']) / statistics.median(walls['lean']):.3f} (per round "
+          f"{', '.join(f'{r:.3f}' for r in per_round)}); same tokens {same}/{len(prompts)}; row {args.row}, "
+          f"{len(prompts)} prompts, new tokens {args.new_tokens}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
