@@ -31,7 +31,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from . import packed_linear as packing
-from .weights import fingerprint
+from .weights import fingerprint, version_of
 
 GROUPS_ENV = "HF_PAGED_ATTN_PACK_GROUPS"
 
@@ -72,7 +72,7 @@ def _quick(entry: _Group | None, weights: list[torch.Tensor], biases: list[torch
     if entry is None or len(entry.sources) != len(weights):
         return False
     for ref, version, w, b in zip(entry.sources, entry.versions, weights, biases):
-        if ref() is not w or w._version != version or b is not None:
+        if ref() is not w or version_of(w) != version or b is not None:
             return False
     return True
 
@@ -94,7 +94,7 @@ def _make(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> _Gr
     made_of = fingerprint([*weights, *biases])
     if bias is not None:
         return _Group(packed, bias, made_of, _layouts(weights))
-    sources, versions = tuple(weakref.ref(w) for w in weights), tuple(w._version for w in weights)
+    sources, versions = tuple(weakref.ref(w) for w in weights), tuple(version_of(w) for w in weights)
     return _Group(packed, bias, made_of, _layouts(weights), sources, versions)
 
 

@@ -39,7 +39,7 @@ from torch.overrides import TorchFunctionMode
 
 from .fp32_matmuls import ATTR as FP32_COPIES
 from .fp32_matmuls import hardware_lacks, plain_linear
-from .weights import fingerprint
+from .weights import fingerprint, version_of
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def _lookup(weight: torch.Tensor) -> torch.Tensor | None:
     pointer, the key) is checked first, with the fewest Python steps (between two matmuls the caches are
     cold, and every step counts: ~30 us a call for ``_holds`` inside a decode step)."""
     entry = _PACKED.get(weight.data_ptr())
-    if entry is not None and entry.source() is weight and entry.made_of[0] == weight._version:
+    if entry is not None and entry.source() is weight and entry.made_of[0] == version_of(weight):
         return entry.packed
     return entry.packed if _holds(entry, weight) else None
 

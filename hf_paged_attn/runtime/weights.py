@@ -8,7 +8,8 @@ from collections.abc import Iterable
 
 import torch
 
-_VERSION = operator.attrgetter("_version")  # torch's version counter (a name transformers also uses privately)
+# torch's version counter of a tensor (a name transformers also uses privately), bumped by every in-place write
+version_of = operator.attrgetter("_version")
 
 
 def fingerprint(tensors: Iterable[torch.Tensor | None]) -> tuple[int, int]:
@@ -16,4 +17,4 @@ def fingerprint(tensors: Iterable[torch.Tensor | None]) -> tuple[int, int]:
     write bumps a tensor's version, a replaced tensor or ``.data`` moves its pointer (a write through
     ``.data`` does neither). ~1 us a tensor, so cheap enough for every step."""
     present = [t for t in tensors if t is not None]
-    return sum(map(_VERSION, present)), sum(t.data_ptr() for t in present)
+    return sum(map(version_of, present)), sum(t.data_ptr() for t in present)
