@@ -235,7 +235,12 @@ class CompiledModel:
             args = (device, tuple(thread_counts) or (torch.get_num_threads(),))
             self.weights = fingerprint(self.tensors)
             guard_fx_tracing()  # before the thread can trace
-            self.thread = threading.Thread(target=self._compile, args=args, name="hf_paged_attn-compile", daemon=True)
+            # In the caller's context: torch's inductor and dynamo settings (``config.patch``, or assigned) are
+            # per thread (context variables), and a new thread would compile with the defaults, whatever the
+            # caller set (a test's ``force_disable_caches`` was ignored: a cached graph served it instead).
+            context = contextvars.copy_context()
+            self.thread = threading.Thread(target=context.run, args=(self._compile, *args),
+                                           name="hf_paged_attn-compile", daemon=True)  # fmt: skip
             _COMPILING.add(self.thread)
             self.thread.start()
 

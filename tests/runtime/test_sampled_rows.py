@@ -96,22 +96,34 @@ def three_layer_dir(tmp_path_factory) -> str:
     return save_random_model(config, tmp_path_factory.mktemp("sampled_rows"))
 
 
-def test_compiled_engine_with_the_pass_equals_sdpa(three_layer_dir, monkeypatch) -> None:
-    """Prompt steps of 32 rows with a few sampled: the pass is on (``inductor_options``) and the compiled
-    engine keeps sdpa's greedy tokens. (How many ops it moves on a real model is not asserted here: in the
-    full suite, after other tests had compiled, this engine's graph was once made without the post-grad
-    pass being called, a compile cache not pinned down; the unit tests above count the moves.)"""
+def test_compiled_engine_runs_the_last_layer_on_the_sampled_rows_and_equals_sdpa(three_layer_dir, monkeypatch) -> None:
+    """Prompt steps of 32 rows with a few sampled: the pass (``inductor_options``) moves the last layer's tail
+    below the selection and the compiled engine keeps sdpa's greedy tokens. The background compile runs in
+    this thread's context (``CompiledModel.start``), so the caches disabled here are disabled there: the pass
+    really runs, whatever graphs earlier tests left in inductor's caches."""
+    moved: list[int] = []
+    real = sampled_rows.move_row_selections
+
+    def record(graph):  # noqa: ANN001, ANN202
+        moved.append(real(graph))
+        return moved[-1]
+
+    monkeypatch.setattr(sampled_rows, "move_row_selections", record)
     monkeypatch.delenv(sampled_rows.ENV, raising=False)
     ref, paged = load_pair(three_layer_dir)
     prompts = ragged_prompts(5, 3, 40, seed=4)
     expected = [reference_greedy(ref, p, 12) for p in prompts]
     torch._dynamo.reset()
-    with ContinuousBatchingEngine(paged, PagedConfig(num_blocks=64, compile=True, max_batch_tokens=32)) as engine:
-        inner = getattr(engine.executor, "inner", engine.executor)
-        assert isinstance(inner, CompiledExecutor)
-        assert engine.executor.wait(timeout=600) and engine.executor.failed is None
-        got = [o.output_ids for o in engine.generate(prompts, max_new_tokens=12)]
-        assert engine.executor.num_compiled_steps > 5
+    # The pass runs only when a graph is compiled, not when a cache (inductor's, AOT autograd's) serves it.
+    with torch._inductor.config.patch(force_disable_caches=True):
+        with ContinuousBatchingEngine(paged, PagedConfig(num_blocks=64, compile=True, max_batch_tokens=32)) as engine:
+            inner = getattr(engine.executor, "inner", engine.executor)
+            assert isinstance(inner, CompiledExecutor)
+            assert engine.executor.wait(timeout=600) and engine.executor.failed is None
+            got = [o.output_ids for o in engine.generate(prompts, max_new_tokens=12)]
+            assert engine.executor.num_compiled_steps > 5
+    # the last layer's output projection, norm, MLP and the final norm moved below the selection
+    assert moved and max(moved) >= 10
     assert not compare_greedy(ref, prompts, expected, got)
 
 
