@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ from hf_paged_attn.core.blocks import blocks_for  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 import vs_vllm  # noqa: E402
+from ab_report import report  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -65,14 +65,7 @@ def main(argv: list[str] | None = None) -> None:
                 walls[name].append(time.perf_counter() - start)
             tokens[name] = [list(o.output_ids) for o in outs]
     function.LEAN_DECODE = True
-    for name, runs in walls.items():
-        print(f"{name:8s}: runs {', '.join(f'{w:.3f}' for w in runs)} s, median {statistics.median(runs):.3f} s")
-    per_round = [general / lean for lean, general in zip(walls["lean"], walls["general"])]
-    same = sum(a == b for a, b in zip(tokens["lean"], tokens["general"]))
-    print(f"general / lean: {statistics.median(walls['general']) / statistics.median(walls['lean']):.3f} (per round "
-          f"{', '.join(f'{r:.3f}' for r in per_round)}); same tokens {same}/{len(prompts)}; row {args.row}, "
-          f"{len(prompts)} prompts, new tokens {args.new_tokens}")  # fmt: skip
-
+    report(walls, tokens, f"row {args.row}, {len(prompts)} prompts, new tokens {args.new_tokens}")
 
 if __name__ == "__main__":
     main()

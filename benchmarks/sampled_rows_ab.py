@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ from hf_paged_attn.runtime import sampled_rows  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 import vs_vllm  # noqa: E402
+from ab_report import report  # noqa: E402
 
 
 def engine_for(job: dict, pass_on: bool) -> ContinuousBatchingEngine:
@@ -67,14 +67,7 @@ def main(argv: list[str] | None = None) -> None:
             outs = engine.generate(job["prompts"], max_new_tokens=new, progress_bar=False)
             walls[name].append(time.perf_counter() - start)
             tokens[name] = [list(o.output_ids) for o in outs]
-    for name, runs in walls.items():
-        print(f"pass {name:3s}: runs {', '.join(f'{w:.2f}' for w in runs)} s, median {statistics.median(runs):.3f} s")
-    per_round = [off / on for on, off in zip(walls["on"], walls["off"])]
-    same = sum(a == b for a, b in zip(tokens["on"], tokens["off"]))
-    print(f"off / on: {statistics.median(walls['off']) / statistics.median(walls['on']):.3f} (per round "
-          f"{', '.join(f'{r:.3f}' for r in per_round)}); same tokens {same}/{len(tokens['on'])}; "
-          f"row {args.row}, new tokens {args.new_tokens}")  # fmt: skip
-
+    report(walls, tokens, f"row {args.row}, new tokens {args.new_tokens}")
 
 if __name__ == "__main__":
     main()

@@ -253,6 +253,14 @@ def _readable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *in
     return ok
 
 
+def _raise_for_decode_status(status: int) -> None:
+    """The native decode's return code as the error it stands for (0: none)."""
+    if status == 2:
+        raise ValueError("paged decode: a request has no cache block for its new token (block_table too short)")
+    if status != 0:
+        raise MemoryError("paged decode: the native kernel could not allocate its scratch memory")
+
+
 def paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -316,11 +324,7 @@ def paged_decode(
         window_left, softmax_scale, softcap, dtype, threads, _isa(isa), 1, int(shared_prefix), 0,
         new[1].stride(0) if new else 0, new[1].stride(1) if new else 0,
     )  # fmt: skip
-    status = lib.paged_decode(ctypes.byref(args))
-    if status == 2:
-        raise ValueError("paged decode: a request has no cache block for its new token (block_table too short)")
-    if status != 0:
-        raise MemoryError("paged decode: the native kernel could not allocate its scratch memory")
+    _raise_for_decode_status(lib.paged_decode(ctypes.byref(args)))
     if info is not None:
         info["groups"] = args.num_groups
     return out
@@ -357,15 +361,16 @@ class DecodeLayers:
         k_cache: torch.Tensor,
         cache_seqlens: torch.Tensor,
         block_table: torch.Tensor,
-        max_len: int,
+        max_seqlen_k: int,
         softmax_scale: float,
         *,
         shared_prefix: bool = True,
         isa: str | None = None,
     ) -> DecodeLayers | None:
-        """The step's calls shaped after this layer's tensors; None where the kernel can't take them (then
-        ``paged_decode``'s general path decides). ``cache_seqlens`` int32 [B], ``block_table`` int32 [B, W],
-        ``max_len`` the longest request's keys, new token included."""
+        """The step's calls shaped after this layer's tensors (the torch backend's ``decode_layers``); None
+        where the kernel can't take them (off the CPU among others: then the general path decides).
+        ``cache_seqlens`` int32 [B], ``block_table`` int32 [B, W], ``max_seqlen_k`` the longest request's keys,
+        new token included."""
         dtype = _DTYPES.get(query.dtype)
         if dtype is None or query.device.type != "cpu" or query.dim() != 4 or (lib := library()) is None:
             return None
@@ -381,7 +386,7 @@ class DecodeLayers:
         ):  # fmt: skip
             return None
         layout = (query.shape, query.stride(), key.stride(), value.stride(), k_cache.shape)
-        threads = torch.get_num_threads() if b * h * max_len * d > threaded_work() else 1
+        threads = torch.get_num_threads() if b * h * max_seqlen_k * d > threaded_work() else 1
         args = _Args(
             0, 0, 0, 0, 0, 0, cache_seqlens.data_ptr(), None, block_table.data_ptr(), None,
             b, h, hk, d, k_cache.shape[1], block_table.shape[1], k_cache.shape[0],
@@ -417,11 +422,7 @@ class DecodeLayers:
         args = self.args
         args.q, args.out, args.k_new, args.v_new = query.data_ptr(), out.data_ptr(), key.data_ptr(), value.data_ptr()
         args.k_cache, args.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
-        status = self.lib.paged_decode(self.args_ref)
-        if status == 2:
-            raise ValueError("paged decode: a request has no cache block for its new token (block_table too short)")
-        if status != 0:
-            raise MemoryError("paged decode: the native kernel could not allocate its scratch memory")
+        _raise_for_decode_status(self.lib.paged_decode(self.args_ref))
         return out
 
 

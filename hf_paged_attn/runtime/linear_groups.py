@@ -77,12 +77,17 @@ def _quick(entry: _Group | None, weights: list[torch.Tensor], biases: list[torch
     return True
 
 
+def _forget(entry: _Group | None) -> None:
+    """Drops ``entry`` from ``_BY_FIRST`` (``_GROUPS`` is its callers' to clear)."""
+    for first in [first for first, found in _BY_FIRST.items() if found is entry]:
+        del _BY_FIRST[first]
+
+
 def _drop(key: tuple[int, ...], entry: _Group) -> None:
     """Forgets ``entry`` when one of its weights is freed (unless a newer copy took its key)."""
     if _GROUPS.get(key) is entry:
         del _GROUPS[key]
-    for first in [first for first, found in _BY_FIRST.items() if found is entry]:
-        del _BY_FIRST[first]
+    _forget(entry)
 
 
 def _make(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> _Group:
@@ -122,9 +127,7 @@ def unpack(model: torch.nn.Module) -> None:
     """Drops the group copies of ``model``'s weights (the op then runs each member on its own)."""
     ptrs = {w.data_ptr() for w in packing._weights(model)}
     for key in [key for key in _GROUPS if ptrs.intersection(key)]:
-        entry = _GROUPS.pop(key, None)
-        for first in [first for first, found in _BY_FIRST.items() if found is entry]:
-            del _BY_FIRST[first]
+        _forget(_GROUPS.pop(key, None))
 
 
 def _packed_linear_group(

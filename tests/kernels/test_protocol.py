@@ -12,7 +12,7 @@ import torch
 from hf_paged_attn.kernels import BACKENDS
 from hf_paged_attn.kernels.base import AttentionBackend
 
-ENTRY_POINTS = ("write_kv", "paged_prefill_attention", "paged_decode_attention")
+ENTRY_POINTS = ("write_kv", "paged_prefill_attention", "paged_decode_attention", "decode_layers")  # the last optional
 
 
 def parameters(function: object) -> list[inspect.Parameter]:

@@ -46,19 +46,5 @@ class TorchBackend(AttentionBackend):
     paged_prefill_attention = staticmethod(paged_prefill_attention)
     paged_decode_attention = staticmethod(paged_decode_attention)
 
-    @staticmethod
-    def decode_layers(
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        k_cache: torch.Tensor,
-        cache_seqlens: torch.Tensor,
-        block_table: torch.Tensor,
-        max_seqlen_k: int,
-        softmax_scale: float,
-    ) -> cpu_native.DecodeLayers | None:
-        """On CPU, the native decode prepared once per step (``cpu_native.DecodeLayers``); None elsewhere."""
-        if query.device.type != "cpu":
-            return None
-        return cpu_native.DecodeLayers.make(query, key, value, k_cache, cache_seqlens, block_table, max_seqlen_k,
-                                            softmax_scale)  # fmt: skip
+    # On CPU the native decode prepared once per step (``cpu_native.DecodeLayers``); None elsewhere.
+    decode_layers = staticmethod(cpu_native.DecodeLayers.make)
