@@ -43,6 +43,15 @@ def paths(w: torch.Tensor, rows: int) -> dict[str, Callable[[torch.Tensor], torc
     return out
 
 
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs ``dtype`` weights on this CPU (bf16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), 1)
+    except RuntimeError:
+        return False
+    return True
+
+
 GROUPS = (("q", "k", "v"), ("gate", "up"))  # projections of one input, one matmul when grouped
 GROUPED = "onednn packed, grouped"
 
@@ -108,6 +117,9 @@ def main() -> None:
     print(f"load {os.getloadavg()[0]:.2f}, {args.threads} threads; ms per step of every projection")
     for model in args.models.split(","):
         for dtype in (torch.float32, torch.bfloat16):
+            if not onednn_packs(dtype):
+                print(f"{model:5s} {str(dtype)[6:]:9s} skipped: oneDNN does not pack {dtype} weights on this CPU")
+                continue
             for rows in (1, 64, 512):
                 res = step_seconds(model, rows, dtype, args.reps)
                 base = res["F.linear"]
