@@ -166,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvicorn
 
+    from ..parallel import leave as leave_tensor_parallel
     from .app import build_app
     from .handlers import ServeSettings
 
@@ -177,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     engine, tokenizer = load(args)
     if engine is None:  # a tensor-parallel rank other than 0: its work is done
+        leave_tensor_parallel()
         return 0
     settings = ServeSettings(
         model_name=args.served_model_name or args.model, api_key=args.api_key or None,
@@ -225,5 +227,6 @@ def main(argv: list[str] | None = None) -> int:
     Server(config).run(sockets=[sock])
     if hasattr(engine, "shutdown"):  # tensor parallel: ends the other ranks' loop
         engine.shutdown()
+    leave_tensor_parallel()
     logger.info("stopped")
     return 0
