@@ -17,6 +17,7 @@ the local one. ``hf_paged_attn.parallel`` adds the tensor-parallel launcher when
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -133,9 +134,9 @@ class LocalLauncher:
         if self._compiled(model, config):
             from .compiled import CompiledExecutor
 
-            return self._threads(CompiledExecutor(eager, layers, counts), counts)  # eager until compiled
+            return self._threads(CompiledExecutor(eager, layers, counts), counts, model)  # eager until compiled
         if not self._graphs(model, config):
-            return self._threads(eager, counts)
+            return self._threads(eager, counts, model)
         from .cuda_graphs import CudaGraphExecutor
 
         max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
@@ -156,13 +157,14 @@ class LocalLauncher:
         return candidates(torch.get_num_threads()) if adapt else (torch.get_num_threads(),)
 
     @staticmethod
-    def _threads(executor: Executor, counts: tuple[int, ...]) -> Executor:
-        """``executor`` with each step's thread count chosen among ``counts``, if there is a choice."""
+    def _threads(executor: Executor, counts: tuple[int, ...], model: torch.nn.Module) -> Executor:
+        """``executor`` with each step's thread count chosen among ``counts``, if there is a choice, by the
+        model's tuner (its measurements kept for its later engines)."""
         if len(counts) < 2:
             return executor
-        from .threads import ThreadTunedExecutor
+        from .threads import ThreadTunedExecutor, tuner_for
 
-        return ThreadTunedExecutor(executor, counts)
+        return ThreadTunedExecutor(executor, counts, tuners=functools.partial(tuner_for, model))
 
     @classmethod
     def _compiled(cls, model: torch.nn.Module, config: PagedConfig) -> bool:

@@ -14,6 +14,13 @@ choice by less than ``CLEAR_MARGIN`` does), and measures again every ``REMEASURE
 since the machine's load changes. A
 rare step size borrows the count its measured neighbours agree on (``RARE_STEPS``).
 
+The measurements belong to the model, not the engine (``tuner_for``: one tuner per model and set of candidate
+counts, kept for the model's later engines, as its compiled forward is): ``model.generate`` makes an engine
+per call, and a fresh tuner ran its first steps of every size on one thread and two again, alternating; on
+the 30M Llama's 64 requests a new engine's run took 1.08x as long as one that kept the model's tuner (median
+of 5 rounds, 0.89-1.13x a round), on the bundled model 1.085x (8 rounds, 0.98-1.15x; ``benchmarks/tuner_ab.py``,
+benchmarks/README.md, seventeenth session).
+
 ``ThreadTunedExecutor`` wraps the engine's executor (the seam of ``executor.py``): the chosen count
 holds for the step's forward only, and the caller's count is back after it. ``torch.set_num_threads``
 is process-wide, though: another thread whose first torch op falls inside a one-thread step starts
@@ -27,7 +34,9 @@ largest candidate, which every step enters at that count and runs at its own
 from __future__ import annotations
 
 import statistics
+import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -79,6 +88,12 @@ class ThreadTuner:
     trials: int = TRIALS
     remeasure_steps: int = REMEASURE_STEPS
     buckets: dict[int, Bucket] = field(default_factory=dict)
+    # The forward these timings are of (an executor's ``graph_ready``: eager, then the compiled graph): an
+    # executor that runs another one resets them. Kept here, not in the executor, so that a model's later
+    # engines, which find its graph compiled, keep what the earlier ones measured.
+    phase: object = None
+    # Engines of one model share its tuner (``tuner_for``); an executor holds this around each use.
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.candidates or any(not isinstance(c, int) or c < 1 for c in self.candidates):
@@ -175,21 +190,41 @@ def candidates(max_threads: int) -> tuple[int, ...]:
     return (1,) if max_threads <= 1 else (1, max_threads)
 
 
+_TUNERS: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple[int, ...], ThreadTuner]] = weakref.WeakKeyDictionary()
+_TUNERS_LOCK = threading.Lock()
+
+
+def tuner_for(model: torch.nn.Module, counts: tuple[int, ...]) -> ThreadTuner:
+    """``model``'s tuner for the candidate ``counts``, made at its first engine and kept (weakly, with the
+    model) for the later ones: a step of a size the model has measured runs its choice from the first step."""
+    with _TUNERS_LOCK:
+        tuners = _TUNERS.setdefault(model, {})
+        tuner = tuners.get(counts)
+        if tuner is None:
+            tuner = tuners[counts] = ThreadTuner(counts)
+        return tuner
+
+
 class ThreadTunedExecutor:
     """``inner``'s steps, each with the thread count ``tuner`` chooses for its size; the caller's count
-    is restored after every step (a caller that changes it between steps gets a new tuner, between 1
-    and the new count). When the inner
-    executor's ``graph_ready`` changes (a compiled forward replaced the eager one) the tuner starts over:
-    the eager steps' timings say nothing about the graph's."""
+    is restored after every step (a caller that changes it between steps gets the tuner of 1 and the new
+    count). ``tuners(counts)`` gives the tuner of a set of counts: the model's (``tuner_for``) in an engine, a
+    new one by default. When the inner executor's ``graph_ready`` is not the tuner's ``phase`` (a compiled
+    forward replaced the eager one) the tuner starts over: the eager steps' timings say nothing about the
+    graph's."""
 
     def __init__(
-        self, inner: object, counts: tuple[int, ...], clock: Callable[[], float] = time.perf_counter
+        self,
+        inner: object,
+        counts: tuple[int, ...],
+        clock: Callable[[], float] = time.perf_counter,
+        tuners: Callable[[tuple[int, ...]], ThreadTuner] = ThreadTuner,
     ) -> None:
         self.inner = inner
         self.max_threads = max(counts)  # the caller's count (``candidates``' largest)
-        self.tuner = ThreadTuner(counts)
+        self.tuners = tuners
+        self.tuner = tuners(counts)
         self.clock = clock
-        self._phase: object = None
 
     def __getattr__(self, name: str) -> object:  # the inner executor's extras (wait, compiled, eager, ...)
         if name == "inner":  # not set yet (copy, pickle): no recursion
@@ -197,21 +232,24 @@ class ThreadTunedExecutor:
         return getattr(self.inner, name)
 
     def execute(self, step: StepMetadata) -> torch.Tensor:
-        phase = getattr(self.inner, "graph_ready", None)
-        if phase != self._phase:
-            self.tuner.reset()
-            self._phase = phase
         before = torch.get_num_threads()
         if before != self.max_threads:  # the caller changed torch's count: tune between 1 and the new one
-            self.max_threads, self.tuner = before, ThreadTuner(candidates(before))
-        threads = self.tuner.choose(step.num_tokens)
+            self.max_threads, self.tuner = before, self.tuners(candidates(before))
+        tuner = self.tuner
+        with tuner.lock:
+            phase = getattr(self.inner, "graph_ready", None)
+            if phase != tuner.phase:
+                tuner.reset()
+                tuner.phase = phase
+            threads = tuner.choose(step.num_tokens)
         torch.set_num_threads(threads)
         start = self.clock()
         try:
             logits = self.inner.execute(step)
         finally:
             torch.set_num_threads(before)
-        self.tuner.record(step.num_tokens, threads, self.clock() - start)
+        with tuner.lock:
+            tuner.record(step.num_tokens, threads, self.clock() - start)
         return logits
 
     def close(self) -> None:

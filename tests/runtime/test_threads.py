@@ -1,10 +1,14 @@
 """Adaptive intra-op threads (``hf_paged_attn/runtime/threads.py``): the tuner measures every candidate
 of a step-size bucket alternately, keeps the faster median, measures again after ``remeasure_steps``
 and starts over on ``reset``; the executor runs each step with the chosen count, restores the caller's
-after it (a failing step too), starts over when the compiled graph takes over; the config switch; and
-greedy parity with sdpa of an engine whose steps run on one thread or two."""
+after it (a failing step too), starts over when the compiled graph takes over; a model's later engines
+keep its measurements; the config switch; and greedy parity with sdpa of an engine whose steps run on one
+thread or two."""
 
 from __future__ import annotations
+
+import gc
+import weakref
 
 import pytest
 import torch
@@ -12,6 +16,7 @@ import torch
 import hf_paged_attn  # noqa: F401  (registers "paged")
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
 from hf_paged_attn.attention import function
+from hf_paged_attn.runtime import threads as threads_module
 from hf_paged_attn.runtime.threads import (
     EARLY_HOLD_STEPS,
     EARLY_TRIALS,
@@ -20,6 +25,7 @@ from hf_paged_attn.runtime.threads import (
     ThreadTuner,
     bucket,
     candidates,
+    tuner_for,
 )
 from hf_paged_attn_tools.testing import compare_greedy, load_pair, ragged_prompts, reference_greedy
 
@@ -182,6 +188,79 @@ def test_the_executor_sets_and_restores_the_count(two_threads) -> None:
     assert sum(len(s) for s in executor.tuner.buckets[6].samples.values()) == 1
     executor.close()
     assert inner.closed
+
+
+def test_executors_that_share_a_tuner_keep_its_choices_and_its_phase(two_threads) -> None:
+    """A second executor handed the first one's tuner (a model's later engine) runs a decided bucket's choice
+    from its first step, without measuring the other count again; an executor whose forward is another one
+    (eager where the tuner's timings are of the graph) starts the tuner over."""
+    ticks = iter(range(1000))
+    tuner = ThreadTuner((1, 2), trials=2)
+    first_inner = Inner()
+    first = ThreadTunedExecutor(first_inner, (1, 2), clock=lambda: float(next(ticks)), tuners=lambda _: tuner)
+    first_inner.graph_ready = True
+    for _ in range(4):
+        first.execute(Step(64))
+    assert first_inner.threads == [1, 2, 1, 2] and tuner.choices() == {6: 1}  # equal medians: the first wins
+    later_inner = Inner()
+    later_inner.graph_ready = True
+    later = ThreadTunedExecutor(later_inner, (1, 2), tuners=lambda _: tuner)
+    assert later.tuner is tuner
+    for _ in range(3):
+        later.execute(Step(64))
+    assert later_inner.threads == [1, 1, 1] and tuner.choices() == {6: 1} and tuner.phase is True
+    eager_inner = Inner()  # graph_ready False: its timings would be of the eager forward
+    eager = ThreadTunedExecutor(eager_inner, (1, 2), tuners=lambda _: tuner)
+    eager.execute(Step(64))
+    assert tuner.choices() == {} and tuner.phase is False
+
+
+def test_a_model_keeps_one_tuner_per_count_set_for_its_engines() -> None:
+    """``tuner_for``: the same tuner for the same model and counts, another for other counts or another model;
+    it goes with the model."""
+    model, other = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    tuner = tuner_for(model, (1, 2))
+    assert tuner_for(model, (1, 2)) is tuner and tuner.candidates == (1, 2)
+    assert tuner_for(model, (1, 4)) is not tuner and tuner_for(model, (1, 4)).candidates == (1, 4)
+    assert tuner_for(other, (1, 2)) is not tuner
+    held = len(threads_module._TUNERS)
+    gone = weakref.ref(model)
+    del model, tuner
+    gc.collect()
+    assert gone() is None and len(threads_module._TUNERS) == held - 1  # the registry held neither
+
+
+def test_a_models_later_engine_starts_with_its_choices(llama_dir, two_threads) -> None:
+    """``model.generate`` makes an engine per call: the second engine on a model takes the tuner the first
+    measured with (a decided bucket's steps run its choice at once) and an engine on another model does not."""
+    _, paged = load_pair(llama_dir)
+    _, other = load_pair(llama_dir)
+    prompts = ragged_prompts(6, 3, 30, seed=13)
+    config = PagedConfig(num_blocks=64, compile=False)
+    with ContinuousBatchingEngine(paged, config) as engine:
+        engine.generate(prompts, max_new_tokens=12)
+        tuner = engine.executor.tuner
+        decided = tuner.choices()
+    assert decided  # the decode bucket decided
+    with ContinuousBatchingEngine(paged, config) as later:
+        assert later.executor.tuner is tuner and tuner.choices() == decided
+        samples = {k: {c: len(s) for c, s in b.samples.items()} for k, b in tuner.buckets.items() if k in decided}
+        chosen: list[int] = []
+        execute = later.executor.inner.execute
+
+        def counting(step):  # noqa: ANN001, ANN202
+            if bucket(step.num_tokens) in decided:
+                chosen.append((decided[bucket(step.num_tokens)], torch.get_num_threads()))
+            return execute(step)
+
+        later.executor.inner.execute = counting
+        later.generate(prompts, max_new_tokens=4)
+    assert chosen and all(want == got for want, got in chosen)  # no measuring of the other count
+    others = {k: {c: len(s) for c, s in b.samples.items() if c != decided[k]} for k, b in tuner.buckets.items()
+              if k in decided}  # fmt: skip
+    assert others == {k: {c: n for c, n in counts.items() if c != decided[k]} for k, counts in samples.items()}
+    with ContinuousBatchingEngine(other, config) as fresh:
+        assert fresh.executor.tuner is not tuner and fresh.executor.tuner.choices() == {}
 
 
 def test_a_failing_step_restores_the_count(two_threads) -> None:
