@@ -21,12 +21,8 @@ from pathlib import Path
 os.environ.setdefault("GOMP_SPINCOUNT", "3000")  # as our commands run (hf_paged_attn._env.CLI_DEFAULTS)
 
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, GenerationConfig  # noqa: E402
 
-import hf_paged_attn  # noqa: E402, F401  registers "paged"
-from hf_paged_attn import ContinuousBatchingEngine, PagedConfig  # noqa: E402
 from hf_paged_attn.attention import function  # noqa: E402
-from hf_paged_attn.core.blocks import blocks_for  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 import vs_vllm  # noqa: E402
@@ -46,14 +42,9 @@ def main(argv: list[str] | None = None) -> None:
     job = vs_vllm.workload(args.row, args.work_dir)
     prompts = job["prompts"][: args.prompts or None]
     new = job["max_new_tokens"][: len(prompts)] if args.new_tokens == "workload" else int(args.new_tokens)
-    model = AutoModelForCausalLM.from_pretrained(job["model"], attn_implementation="paged", dtype=torch.float32)
-    config = PagedConfig(enable_prefix_caching=False, compile=True)
-    block_size = config.resolved(torch.device("cpu")).block_size
     counts = new if isinstance(new, list) else [new] * len(prompts)
-    num_blocks = sum(blocks_for(len(p) + n, block_size) for p, n in zip(prompts, counts))
-    greedy = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0)
-    engine = ContinuousBatchingEngine(model.eval(), config, generation_config=greedy, num_blocks=num_blocks)
-    engine.executor.wait()
+    engine = vs_vllm.ours_engine({**job, "prompts": prompts, "max_new_tokens": counts, "dtype": "float32",
+                                  "ours_config": {"compile": True}})  # fmt: skip
     walls: dict[str, list[float]] = {"lean": [], "general": []}
     tokens: dict[str, list[list[int]]] = {}
     for round_ in range(args.rounds + 1):  # round 0: warm-up of both

@@ -20,11 +20,8 @@ from pathlib import Path
 os.environ.setdefault("GOMP_SPINCOUNT", "3000")  # as our commands run (hf_paged_attn._env.CLI_DEFAULTS)
 
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, GenerationConfig  # noqa: E402
 
-import hf_paged_attn  # noqa: E402, F401  registers "paged"
-from hf_paged_attn import ContinuousBatchingEngine, PagedConfig  # noqa: E402
-from hf_paged_attn.core.blocks import blocks_for  # noqa: E402
+from hf_paged_attn import ContinuousBatchingEngine  # noqa: E402
 from hf_paged_attn.runtime import sampled_rows  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -35,14 +32,7 @@ from ab_report import report  # noqa: E402
 def engine_for(job: dict, pass_on: bool) -> ContinuousBatchingEngine:
     """A fresh copy of the row's model and an engine whose compiled forward has the pass on or off."""
     os.environ[sampled_rows.ENV] = "1" if pass_on else "0"  # read when the graph compiles
-    model = AutoModelForCausalLM.from_pretrained(job["model"], attn_implementation="paged", dtype=torch.float32)
-    config = PagedConfig(enable_prefix_caching=False, compile=True)
-    block_size = config.resolved(torch.device("cpu")).block_size
-    num_blocks = sum(blocks_for(len(p) + n, block_size) for p, n in zip(job["prompts"], job["max_new_tokens"]))
-    greedy = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0)
-    engine = ContinuousBatchingEngine(model.eval(), config, generation_config=greedy, num_blocks=num_blocks)
-    engine.executor.wait()
-    return engine
+    return vs_vllm.ours_engine({**job, "dtype": "float32", "ours_config": {"compile": True}})
 
 
 def main(argv: list[str] | None = None) -> None:
