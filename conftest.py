@@ -1,7 +1,42 @@
-"""Test-session setup."""
+"""Test-session setup and the fixtures both tiers share (``tests/`` and ``integration_tests/``): tiny models
+with random weights, saved with save_pretrained and loaded back with from_pretrained(..., attn_implementation=...),
+so the real loading code runs (no hub access here)."""
+
+from __future__ import annotations
 
 import os
+
+import pytest
 
 # No GPU here: Triton kernels can only run under its interpreter, and the interpreter must be
 # chosen before the first `import triton` anywhere in the session (test order must not matter).
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Tiny models compile for longer than they run: PagedConfig(compile=None) means eager in the suite;
+# tests of the compiled forward ask for compile=True (tests/runtime/test_compiled.py).
+os.environ.setdefault("HF_PAGED_ATTN_COMPILE", "0")
+
+import hf_paged_attn  # noqa: E402, F401  (registers "paged")
+from hf_paged_attn_tools.testing import load_pair, save_random_model, tiny_llama_config  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def demo():
+    """(tokenizer, paged model, sdpa model) of the bundled demo model: real text."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_paged_attn.demo import DEMO_MODEL
+
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL, padding_side="left")
+    paged = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, attn_implementation="paged").eval()
+    ref = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, attn_implementation="sdpa").eval()
+    return tokenizer, paged, ref
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory) -> str:
+    return save_random_model(tiny_llama_config(), tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def llama_pair(llama_dir):
+    return load_pair(llama_dir)

@@ -37,6 +37,8 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None  # "length", "eos", "stop", "abort", "error"
     error: str | None = None
+    # what raised, for a caller that re-raises it (``model.generate`` raises a caller's processor's own error)
+    exception: BaseException | None = None
     num_cached_tokens: int = 0
     scores: list[Any] | None = None  # per new token: processed scores [vocab] (generate's `scores`)
     logits: list[Any] | None = None  # per new token: raw logits [vocab] (generate's `logits`)
@@ -72,6 +74,7 @@ class Request:
     block_digests: list[bytes] = field(default_factory=list)  # prefix-cache chain digests (kv_manager)
     finish_reason: str | None = None
     error: str | None = None
+    exception: BaseException | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     priority: int = 0  # the "priority" policy runs lower values first
@@ -155,10 +158,11 @@ class Request:
                     setattr(self, name, [])
                 getattr(self, name).append(value)
 
-    def finish(self, reason: str, error: str | None = None) -> None:
+    def finish(self, reason: str, exception: BaseException | None = None) -> None:
         self.status = Status.FINISHED
         self.finish_reason = reason
-        self.error = error
+        self.error = f"{type(exception).__name__}: {exception}" if exception is not None else None
+        self.exception = exception
 
     def take_output(self) -> RequestOutput:
         """The output for this step; clears the step's new ids."""
@@ -170,6 +174,7 @@ class Request:
             finished=self.finished,
             finish_reason=self.finish_reason,
             error=self.error,
+            exception=self.exception,
             num_cached_tokens=self.num_cached_tokens,
             scores=self.scores,
             logits=self.logits,

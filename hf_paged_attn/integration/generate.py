@@ -124,7 +124,9 @@ def paged_generate(
                   tokenizer=tokenizer, structured=structured, lockstep=lockstep)  # fmt: skip
 
     def on_output(out: RequestOutput) -> None:
-        if out.finish_reason == "error":
+        if out.finish_reason == "error":  # what raised is raised as is, as transformers' generate does
+            if out.exception is not None:
+                raise out.exception
             raise RuntimeError(f"request {out.request_id} failed: {out.error}")
         if streamer is not None and out.new_ids:
             streamer.put(torch.tensor(out.new_ids))

@@ -432,5 +432,5 @@ class PagedContinuousBatchingManager:
         for request in list(engine.intake.live.values()):
             if request.finished:
                 continue
-            request.finish("error", f"{type(exc).__name__}: {exc}")
+            request.finish("error", exc)
             self._deliver(request.take_output())

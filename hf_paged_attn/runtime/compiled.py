@@ -422,7 +422,11 @@ def compiled_model(model: torch.nn.Module, windows: list[int | None]) -> Compile
 
     for idx, module in modules.items():  # the op's layer index as a graph input (``function.LAYER_INDEX``)
         if getattr(module, LAYER_INDEX, None) is None:
-            module.register_buffer(LAYER_INDEX, torch.tensor(idx, device=_device(module)), persistent=False)
+            # never an inference tensor, whatever mode the caller is in: every later read of the model's
+            # buffers outside ``inference_mode`` (version counters, autograd) would fail on one
+            with torch.inference_mode(False):
+                index = torch.tensor(idx, device=_device(module))
+            module.register_buffer(LAYER_INDEX, index, persistent=False)
     regions = mark_layer_regions(model, modules, {"cache": cache, "paged_forward": COMPILED}, route) if REGIONS else []
     tensors = [*model.parameters(), *model.buffers()]
     graph = torch.compile(forward, backend=_backend)

@@ -107,7 +107,7 @@ class Updater:
             return []
         outputs = []
         for r in [request, *request.children]:
-            r.finish(reason, f"{type(exc).__name__}: {exc}" if exc is not None else None)
+            r.finish(reason, exc)
             self.scheduler.remove(r)
             if self.history is not None:
                 self.history.release(r)
