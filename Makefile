@@ -30,7 +30,7 @@ test-slow: $(STAMP)
 # so it is not part of `make test`); no downloads: tiny local models, tasks and data.
 test-clients: $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt -e '.[clients]'
-	HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -m clients tests/integration/test_clients.py
+	HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -m clients integration_tests/test_clients.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -109,7 +109,7 @@ def serve_rounds(args: argparse.Namespace) -> tuple[dict[str, list[float]], list
                   f"({rates['free'][-1]:.0f} tok/s); "
                   f"longest output {max(counts)} tokens", flush=True)
     for text in texts:
-        json.loads(text)  # every constrained output is JSON (the schema's tests are in tests/serve)
+        json.loads(text)  # every constrained output is JSON (the schema's tests are in integration_tests/serve)
     return rates, texts
 
 

@@ -9,7 +9,7 @@ so a reader browsing the repository sees the printed results and the figures; th
 ids, so a diff shows what changed. The kernel runs on this interpreter (this checkout's package and
 pinned versions) with OMP_WAIT_POLICY=PASSIVE unless the environment sets it, and without tqdm's
 "IProgress not found" warning (ipywidgets is not installed here). A stored notebook must
-be free of noise: no error, nothing on stderr (warnings, progress bars). ``tests/test_notebooks.py``
+be free of noise: no error, nothing on stderr (warnings, progress bars). ``integration_tests/test_notebooks.py``
 checks the stored notebooks and executes every one again.
 """
 

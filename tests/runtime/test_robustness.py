@@ -190,7 +190,7 @@ def test_sampling_failure_of_a_forked_child_fails_only_that_child(llama_pair):
         [1, 2, 3, 4, 5], generation_config=config, logits_processor=LogitsProcessorList([RaiseOnCalls({2})])
     )
     other = engine.add_request([7, 8, 9], max_new_tokens=4)
-    finals = finals_of(engine)  # today: the exception escapes stream() and the step's state is lost
+    finals = finals_of(engine)  # the exception must not escape stream(), nor lose the step's state
     assert finals[f"{family}#1"].finish_reason == "error" and "call 2" in finals[f"{family}#1"].error
     assert finals[family].finish_reason == "length" and len(finals[family].output_ids) == 4
     assert finals[other].output_ids == reference_greedy(ref, [7, 8, 9], 4)

@@ -3,16 +3,14 @@ validation, the benchmark's summary (its real run is the slow smoke at the end).
 
 from __future__ import annotations
 
+import fastapi  # noqa: F401  (a [dev] dependency: its absence fails the suite)
 import pytest
+from transformers import AutoTokenizer
 
-pytest.importorskip("fastapi")
-
-from transformers import AutoTokenizer  # noqa: E402
-
-from hf_paged_attn.demo import DEMO_MODEL  # noqa: E402
-from hf_paged_attn.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse  # noqa: E402
-from hf_paged_attn.serve.text import IncrementalText, make_decoder  # noqa: E402
-from hf_paged_attn_tools.bench import serve as bench_serve  # noqa: E402
+from hf_paged_attn.demo import DEMO_MODEL
+from hf_paged_attn.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse
+from hf_paged_attn.serve.text import IncrementalText, make_decoder
+from hf_paged_attn_tools.bench import serve as bench_serve
 
 
 def chars(text: str) -> list[int]:

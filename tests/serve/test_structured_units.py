@@ -10,18 +10,16 @@ import threading
 import time
 from pathlib import Path
 
+import fastapi  # noqa: F401  (a [dev] dependency: its absence fails the suite)
 import pytest
+from transformers import AutoTokenizer
 
-pytest.importorskip("fastapi")
-
-from transformers import AutoTokenizer  # noqa: E402
-
-import hf_paged_attn_tools  # noqa: E402
-from hf_paged_attn import RequestOutput  # noqa: E402
-from hf_paged_attn.demo import DEMO_MODEL  # noqa: E402
-from hf_paged_attn.serve.chat import chat_prompt_ids  # noqa: E402
-from hf_paged_attn.serve.engine_loop import EngineLoop  # noqa: E402
-from hf_paged_attn.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse  # noqa: E402
+import hf_paged_attn_tools
+from hf_paged_attn import RequestOutput
+from hf_paged_attn.demo import DEMO_MODEL
+from hf_paged_attn.serve.chat import chat_prompt_ids
+from hf_paged_attn.serve.engine_loop import EngineLoop
+from hf_paged_attn.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse
 
 TEMPLATE = (Path(hf_paged_attn_tools.__file__).parent / "hermes_tools_template.jinja").read_text()
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}

@@ -153,7 +153,7 @@ def test_call_schema_moves_local_refs_inside_it():
 
 @pytest.fixture(scope="module")
 def compiler():
-    pytest.importorskip("llguidance")
+    import llguidance  # noqa: F401
     from transformers import AutoTokenizer
 
     from hf_paged_attn.demo import DEMO_MODEL
@@ -189,7 +189,7 @@ def walk(tokenizer, compiler, grammar: str, rng: random.Random, max_tokens: int 
 @pytest.mark.parametrize("fmt", [HERMES, LLAMA3], ids=lambda f: f.name)
 @pytest.mark.parametrize(("name", "parallel"), [(None, False), (None, True), ("route", True)])
 def test_every_output_of_the_forced_grammar_is_a_valid_call(compiler, fmt, name, parallel):
-    jsonschema = pytest.importorskip("jsonschema")
+    import jsonschema
     tokenizer, grammars = compiler
     grammar = forced_grammar(fmt, TOOLS, name, parallel)
     rng = random.Random(0)

@@ -3,13 +3,12 @@ with the official ``openai`` client against the session's uvicorn server (confte
 
 from __future__ import annotations
 
+import fastapi  # noqa: F401  (a [dev] dependency: its absence fails the suite)
+import openai
 import pytest
+import uvicorn  # noqa: F401  (a [dev] dependency: its absence fails the suite)
 
-openai = pytest.importorskip("openai")
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-
-from .conftest import DEMO_NAME as NAME  # noqa: E402
+from .conftest import DEMO_NAME as NAME
 
 TIMEOUT = 60.0
 EOS_PROMPT = "A list is"  # the demo model's greedy completion ends with EOS after 13 tokens

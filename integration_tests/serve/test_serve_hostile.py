@@ -1,6 +1,6 @@
 """The server under hostile input, one attack per test, against a real uvicorn on 127.0.0.1 with the
 bundled model: every one is a small 4xx in OpenAI's shape naming ``param``, never a 5xx, a stall or
-a reset connection (the fuzzed version is tests/test_serve_fuzz.py)."""
+a reset connection (the fuzzed version is integration_tests/serve/test_serve_fuzz.py)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,13 @@ import threading
 import time
 import urllib.parse
 
+import fastapi  # noqa: F401  (a [dev] dependency: its absence fails the suite)
+import openai
 import pytest
+import uvicorn  # noqa: F401  (a [dev] dependency: its absence fails the suite)
 
-openai = pytest.importorskip("openai")
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-
-from hf_paged_attn.demo import DEMO_MODEL  # noqa: E402
-from hf_paged_attn_tools.launch import ServerProcess  # noqa: E402
+from hf_paged_attn.demo import DEMO_MODEL
+from hf_paged_attn_tools.launch import ServerProcess
 
 NAME = "demo"
 TIMEOUT = 60.0

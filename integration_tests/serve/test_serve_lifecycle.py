@@ -8,15 +8,14 @@ import signal
 import time
 import urllib.parse
 
+import fastapi  # noqa: F401  (a [dev] dependency: its absence fails the suite)
+import openai
 import pytest
+import uvicorn  # noqa: F401  (a [dev] dependency: its absence fails the suite)
 
-openai = pytest.importorskip("openai")
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-
-from hf_paged_attn.demo import DEMO_MODEL  # noqa: E402
-from hf_paged_attn.serve.cli import paged_config, parse_args  # noqa: E402
-from hf_paged_attn_tools.launch import ServerProcess  # noqa: E402
+from hf_paged_attn.demo import DEMO_MODEL
+from hf_paged_attn.serve.cli import paged_config, parse_args
+from hf_paged_attn_tools.launch import ServerProcess
 
 KEY = "sk-test-123"
 TIMEOUT = 60.0

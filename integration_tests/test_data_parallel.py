@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hf_paged_attn import ContinuousBatchingEngine
 from hf_paged_attn.demo import DEMO_MODEL, PROMPTS
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 12
 TIMEOUT = 120
 

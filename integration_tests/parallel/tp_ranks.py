@@ -2,7 +2,7 @@
 pays the torch import and the model loads). Each rank writes what it saw to ``OUT/rank{r}.json``;
 the test compares the ranks with each other and with one process.
 
-    torchrun --nproc-per-node 2 tests/parallel/tp_ranks.py OUT llama=DIR gqa=DIR moe=DIR
+    torchrun --nproc-per-node 2 integration_tests/parallel/tp_ranks.py OUT llama=DIR gqa=DIR moe=DIR
 """
 
 from __future__ import annotations

@@ -14,20 +14,18 @@ import json
 import re
 from pathlib import Path
 
+import fastapi  # noqa: F401  (a [dev] dependency: its absence fails the suite)
+import jsonschema
+import llguidance  # noqa: F401  (a [dev] dependency: its absence fails the suite)
+import openai
 import pytest
+from pydantic import BaseModel, Field
 
-openai = pytest.importorskip("openai")
-jsonschema = pytest.importorskip("jsonschema")
-pytest.importorskip("fastapi")
-pytest.importorskip("llguidance")
+import hf_paged_attn_tools
+from hf_paged_attn.demo import DEMO_MODEL
+from hf_paged_attn_tools.launch import ServerProcess
 
-from pydantic import BaseModel, Field  # noqa: E402
-
-import hf_paged_attn_tools  # noqa: E402
-from hf_paged_attn.demo import DEMO_MODEL  # noqa: E402
-from hf_paged_attn_tools.launch import ServerProcess  # noqa: E402
-
-from .test_serve import metrics, raw  # noqa: E402
+from .test_serve import metrics, raw
 
 NAME = "demo"
 TIMEOUT = 120.0

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "guidellm_serve.py"
 GUIDELLM = os.environ.get("GUIDELLM") or shutil.which("guidellm")
 

@@ -19,17 +19,14 @@ import os
 import time
 import urllib.parse
 
+import fastapi  # noqa: F401  (a [dev] dependency: its absence fails the suite)
 import pytest
+import uvicorn  # noqa: F401  (a [dev] dependency: its absence fails the suite)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-hypothesis = pytest.importorskip("hypothesis")
-
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from hf_paged_attn.demo import DEMO_MODEL  # noqa: E402
-from hf_paged_attn_tools.launch import ServerProcess  # noqa: E402
+from hf_paged_attn.demo import DEMO_MODEL
+from hf_paged_attn_tools.launch import ServerProcess
 
 NAME = "demo"
 VOCAB = 4096  # the demo model's

@@ -12,16 +12,14 @@ import json
 import time
 import urllib.parse
 
+import fastapi  # noqa: F401  (a [dev] dependency: its absence fails the suite)
+import openai
 import pytest
+import torch
+import uvicorn  # noqa: F401  (a [dev] dependency: its absence fails the suite)
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-openai = pytest.importorskip("openai")
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
-
-from hf_paged_attn.demo import DEMO_MODEL, PROMPTS  # noqa: E402
+from hf_paged_attn.demo import DEMO_MODEL, PROMPTS
 
 NAME = "demo"
 TIMEOUT = 60.0  # per HTTP call: a loaded CI machine is slow, a hang must still fail

@@ -223,7 +223,7 @@ def test_continuous_batching_config_maps_or_refuses_by_name() -> None:
 
 
 def test_rl_loop_example_runs(monkeypatch, capsys) -> None:  # noqa: ANN001
-    example = Path(__file__).parents[2] / "examples" / "rl_loop.py"
+    example = Path(__file__).parents[1] / "examples" / "rl_loop.py"
     monkeypatch.setattr(sys, "argv", [str(example), "--steps", "2", "--samples", "2"])
     runpy.run_path(str(example), run_name="__main__")
     lines = capsys.readouterr().out.splitlines()

@@ -3,14 +3,13 @@ engine's ``SpeculativeConfig``; ``/metrics`` counts proposed and accepted tokens
 
 from __future__ import annotations
 
+import prometheus_client  # noqa: F401  (a [dev] dependency: its absence fails the suite)
 import pytest
 
-pytest.importorskip("prometheus_client")
-
-from hf_paged_attn import ContinuousBatchingEngine, PagedConfig  # noqa: E402
-from hf_paged_attn.demo import DEMO_MODEL  # noqa: E402
-from hf_paged_attn.serve.cli import load, paged_config, parse_args  # noqa: E402
-from hf_paged_attn.serve.metrics import ServeMetrics  # noqa: E402
+from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
+from hf_paged_attn.demo import DEMO_MODEL
+from hf_paged_attn.serve.cli import load, paged_config, parse_args
+from hf_paged_attn.serve.metrics import ServeMetrics
 
 
 def test_speculative_flags_become_a_speculative_config():

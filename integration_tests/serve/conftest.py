@@ -13,8 +13,8 @@ DEMO_NAME = "demo"
 
 @pytest.fixture(scope="session")
 def demo_server():
-    pytest.importorskip("fastapi")
-    pytest.importorskip("uvicorn")
+    import fastapi  # noqa: F401
+    import uvicorn  # noqa: F401
     args = ["--served-model-name", DEMO_NAME, "--num-blocks", "512", "--max-num-seqs", "64"]
     with ServerProcess(DEMO_MODEL, args, env={"OMP_NUM_THREADS": "1"}) as proc:
         yield proc

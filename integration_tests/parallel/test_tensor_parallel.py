@@ -95,7 +95,7 @@ def run(tmp_path_factory):
     """(model dirs, [rank 0's results, rank 1's results])."""
     tmp = tmp_path_factory.mktemp("tp")
     dirs = {name: save_random_model(make(), tmp / name) for name, make in MODELS.items()}
-    script = ROOT / "tests" / "parallel" / "tp_ranks.py"
+    script = ROOT / "integration_tests" / "parallel" / "tp_ranks.py"
     command = torchrun(str(script), str(tmp), *(f"{name}={path}" for name, path in dirs.items()))
     proc = subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -195,8 +195,8 @@ def test_each_rank_holds_its_share_of_the_kv_heads(run, name, share):
 
 
 def test_the_server_under_torchrun_answers_the_openai_client_and_both_ranks_exit_cleanly():
-    openai = pytest.importorskip("openai")
-    pytest.importorskip("uvicorn")
+    import openai
+    import uvicorn  # noqa: F401
     from transformers import AutoTokenizer
 
     from hf_paged_attn.demo import DEMO_MODEL

@@ -8,11 +8,10 @@ import sys
 import time
 from pathlib import Path
 
+import ipykernel  # noqa: F401  (a [dev] dependency: its absence fails the suite)
+import nbclient  # noqa: F401  (a [dev] dependency: its absence fails the suite)
+import nbformat
 import pytest
-
-nbformat = pytest.importorskip("nbformat")
-pytest.importorskip("nbclient")
-pytest.importorskip("ipykernel")
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 NOTEBOOKS = sorted(EXAMPLES.glob("*.ipynb"))

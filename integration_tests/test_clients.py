@@ -125,7 +125,7 @@ def test_lm_eval_local_completions_on_our_server_equals_its_hf_model(tiny_tasks)
     log-probabilities through ``echo`` + ``logprobs``) and generate_until equal to lm-eval's ``hf``
     model on the same weights (sdpa): the same texts, log-likelihoods within float32 noise."""
     lm_eval = pytest.importorskip("lm_eval")
-    pytest.importorskip("fastapi")
+    import fastapi  # noqa: F401
     from lm_eval.tasks import TaskManager
 
     from hf_paged_attn_tools.launch import ServerProcess
