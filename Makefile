@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-clients bench guidellm-bench lint soak notebooks
+.PHONY: demo test test-slow test-integration test-gpu test-clients bench guidellm-bench lint soak notebooks
 
 # OpenMP threads that spin while they wait make a shared or busy CPU up to 30x slower (the demo:
 # 0.6 s or 20 s). Every target runs with OMP_WAIT_POLICY=PASSIVE unless the environment sets it.
@@ -19,12 +19,24 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(PY) -m hf_paged_attn.demo
 
+# Both tiers (tests/: units laid out like the package; integration_tests/: the package driven whole from
+# outside) without the slow and clients markers, one test file per core: one thread each.
 test: $(STAMP)
 	$(PY) -m ruff check .
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile
 
+# What `make test` leaves out for time: executed notebooks, the GPU check's CPU variants, soak.
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m slow
+
+# Every integration test but the clients' (make test-clients), the slow ones included.
+test-integration: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not clients" integration_tests
+
+# On a machine with CUDA: the tests marked gpu (skipped elsewhere), then the GPU check.
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu
+	bash scripts/gpu_check.sh
 
 # TRL's GRPOTrainer and lm-eval driving the engine (the [clients] extra takes ~1 min to install,
 # so it is not part of `make test`); no downloads: tiny local models, tasks and data.

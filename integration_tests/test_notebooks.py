@@ -64,6 +64,7 @@ def test_check_catches_noise_and_missing_figures():
     assert any("0 figures, expected 1" in p for p in found), found
 
 
+@pytest.mark.slow  # ~3 min for the six on 2 cores; the tests above check they are stored executed and current
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs(path: Path):
     """Executed again from its stored cells: no error, nothing on stderr, its figures drawn."""

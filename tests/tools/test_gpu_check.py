@@ -237,6 +237,7 @@ def test_time_limit_in_a_real_process(tmp_path):
 
 
 # ---------------------------------------------------------------------------------- dry run
+@pytest.mark.slow  # ~17 s: imports every check's kernels in a subprocess
 def test_dry_run_resolves_every_api_of_every_check():
     proc = run_script("--dry-run", timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -281,6 +282,7 @@ def test_dry_run_reports_what_is_gone(gpu_check, capsys):
 
 
 # ------------------------------------------------------------------------ the checks on a CPU
+@pytest.mark.slow  # ~2 min under the Triton interpreter; the in-suite kernel and parity tests check the same code
 def test_parity_checks_pass_on_the_cpu(tmp_path):
     """Every parity check with a CPU variant, through gpu_check.sh: each PASSes (flash SKIPs: not
     installed here), judged by the same tolerances as on a GPU."""
