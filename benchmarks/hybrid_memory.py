@@ -83,8 +83,8 @@ def main() -> None:
     print(f"{'KV layer-pages per request at peak':40}{before:>14}{after:>20}")
     print(f"{f'decoding at once in {args.mib:g} MiB ({args.requests} offered)':40}{one:>14}{groups:>20}")
     print(f"{'preemptions':40}{stats_one.num_preemptions:>14}{stats.num_preemptions:>20}")
-    print(f"{'token capacity per group (idle)':40}{str(list(stats_one.token_capacity_per_group)):>14}"
-          f"{str(list(stats.token_capacity_per_group)):>20}")  # fmt: skip
+    print(f"token capacity per group (idle): one table {list(stats_one.token_capacity_per_group)}, "
+          f"per-group tables {list(stats.token_capacity_per_group)}")  # fmt: skip
 
 
 if __name__ == "__main__":
