@@ -59,14 +59,6 @@ class KVBlockManager:
     def groups(self) -> list[AttentionGroup]:
         return self.layers.groups
 
-    @property
-    def group_share(self) -> int:
-        """What one table would have: the blocks of ``PagedConfig.num_blocks`` (the pool holds this
-        many per group). Admission keeps every group within it, so a hybrid model admits a request
-        exactly when one table for every layer would have room, and per-group tables never preempt
-        more: the pool's slack (what sliding groups free) only lets admitted requests grow."""
-        return self.allocator.num_blocks // max(len(self.groups), 1)
-
     def tables(self, request: Request) -> list[list[int]]:
         """The request's block table of each group (group 0's is ``request.block_ids``)."""
         if len(self.groups) < 2:  # one group: the common case, called several times per request and step
@@ -86,10 +78,22 @@ class KVBlockManager:
     def can_ever_fit(self, request: Request, copies: int = 1) -> bool:
         return self.blocks_needed(request, copies) <= self.allocator.num_blocks
 
+    def token_capacity(self) -> list[int]:
+        """Tokens each group's tables can hold now: what they hold plus every free block. The pool
+        is shared, so each group can take all of it; one table's figure is the same for every layer."""
+        free = self.allocator.num_free_blocks
+        return [(self.allocator.num_used_in(g) + free) * self.block_size for g in range(len(self.groups))]
+
     # ------------------------------------------------------------------ admission
     def admit(self, request: Request, budget: int) -> bool:
         """Give a waiting request its cached prefix and blocks for its first chunk (at most
         ``budget`` tokens); False, changing nothing, when the blocks are not there.
+
+        Admission by need from the one pool every group shares: the request gets in when the
+        blocks each of its groups needs for that chunk are free, whatever the other groups hold.
+        A sliding group holds the whole chunk's blocks during its step (the kernels read a chunk's
+        keys from the pages, so they are written there first) and frees all but its window's when
+        the step is committed. Requests that later outgrow the pool are preempted (``Scheduler``).
 
         A hit of ``n`` blocks needs, in a full group, the first ``n`` blocks cached; in a sliding
         group only those inside the window of the next query. When every known token hits the
@@ -113,10 +117,6 @@ class KVBlockManager:
         new_per_group = blocks_for(num_cached + num_new, size) - num_hit
         revived = [self.allocator.num_evictable(t) for t in tables]  # cached free blocks the hits take back
         if not self.allocator.can_allocate(len(self.groups) * new_per_group + sum(revived)):
-            return False
-        if len(self.groups) > 1 and any(
-            self.allocator.num_used_in(g) + new_per_group + n > self.group_share for g, n in enumerate(revived)
-        ):
             return False
         for table, hits in zip(self.tables(request), tables):
             table[:] = self.allocator.fork(hits)

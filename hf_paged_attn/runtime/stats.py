@@ -30,6 +30,9 @@ class EngineStats:
     # Layers one block holds: all of them, or one attention group's when a hybrid model's groups
     # share the pool; ``num_blocks * layers_per_block / num_layers`` is PagedConfig.num_blocks' unit
     layers_per_block: int = 0
+    # Tokens each attention group's tables can hold now (``KVBlockManager.token_capacity``): what
+    # they hold plus the whole free pool, which the groups share. One entry with one table.
+    token_capacity_per_group: tuple[int, ...] = ()
     num_draft_tokens: int = 0  # speculative decoding: tokens proposed and verified
     num_accepted_tokens: int = 0  # of those, accepted (each step emits them and one more token)
 
@@ -85,6 +88,7 @@ class StepCounters:
             num_prompt_tokens=kv.num_prompt_tokens,
             num_cached_tokens=kv.num_cached_tokens,
             layers_per_block=kv.layers.layers_per_block,
+            token_capacity_per_group=tuple(kv.token_capacity()),
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
         )

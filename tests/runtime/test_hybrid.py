@@ -87,8 +87,8 @@ def test_greedy_parity_with_group_tables(pair, block_size, max_batch_tokens, num
     assert len(engine.layers.groups) > 1 if mixed else len(engine.layers.groups) == 1
     assert any(released), "no block left a window: the test did not exercise window release"
     assert engine.stats.num_cached_tokens > 0, "no prefix hit"
-    if max_batch_tokens == 7:  # the tiny cache: full, and one table preempts (hybrids admit within a
-        stats = engine.stats  # table's share and grow into what sliding groups free, so they may not)
+    if max_batch_tokens == 7:  # the tiny cache: full, and one table preempts (hybrids hold less per
+        stats = engine.stats  # request, so they may not)
         assert stats.peak_used_blocks == stats.num_blocks and (mixed or stats.num_preemptions > 0), stats
     assert engine.allocator.num_used_blocks == 0
     engine.allocator.check_invariants()
