@@ -21,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import warnings
 from collections import Counter
 from collections.abc import Iterator
@@ -158,8 +159,9 @@ def check_model(
         try:
             with _time_limit(timeout):
                 result, note = _parity(model_type, class_name, directory, paged_configs)
-        except UnsupportedModelError as exc:
-            result, note = "refused", str(exc)
+        except UnsupportedModelError as exc:  # up front, or by the per-call guard inside the first step
+            at_step = any(frame.name == "check_attention_call" for frame in traceback.extract_tb(exc.__traceback__))
+            result, note = "refused", ("at the first step: " if at_step else "") + str(exc)
         except _Timeout:
             result, note = "fail", f"timed out after {timeout:g} CPU seconds"
         except Exception as exc:  # the matrix records every failure and moves on
