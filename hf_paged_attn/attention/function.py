@@ -75,6 +75,9 @@ def paged_attention_forward(
         softmax_scale=scale, causal=True, window_size=window, softcap=softcap or 0.0, sinks=s_aux, memo=inputs.memo
     )
     q = query[0].transpose(0, 1)  # [N, H, D]
+    # A sliding group's max_length_k counts the keys its window leaves; the kernels' max_seqlen_k must bound
+    # the keys counted from position 0 (kernels/base.py), which the block table's capacity does.
+    max_seqlen_k = inputs.block_table.shape[1] * layer.block_size if sliding_window else inputs.max_length_k
     if inputs.is_decode:
         new_k = pad_head_dim(key[0].transpose(0, 1), layer.width).unsqueeze(1)  # [B, 1, H_kv, D], appended in place
         new_v = pad_head_dim(value[0].transpose(0, 1), layer.width).unsqueeze(1)
@@ -86,7 +89,7 @@ def paged_attention_forward(
             new_v,
             inputs.cache_seqlens,
             inputs.block_table,
-            inputs.max_length_k,
+            max_seqlen_k,
             **options,
         ).squeeze(1)  # [N, H, D]
     else:
@@ -98,7 +101,7 @@ def paged_attention_forward(
             inputs.seqused_k,
             inputs.block_table,
             inputs.max_length_q,
-            inputs.max_length_k,
+            max_seqlen_k,
             **options,
         )
     return out[..., :value_dim].unsqueeze(0), None  # [1, N, H, D_v]

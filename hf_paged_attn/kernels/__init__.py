@@ -3,7 +3,7 @@ entry points named and shaped like flash-attn's, capabilities as class attribute
 
 | backend | module | runs on |
 | --- | --- | --- |
-| ``flash`` | ``flash_backend`` | CUDA with flash-attn 2, fp16/bf16, pages of 256k tokens, no sinks |
+| ``flash`` | ``flash_backend`` | CUDA 8.0+ with flash-attn 2: fp16/bf16, pages of 256k, head dim 8k <= 256, no sinks |
 | ``triton`` | ``triton_backend`` (kernels in ``triton_ops``) | CUDA GPUs of compute capability 8.0+ |
 | ``torch`` | ``torch_backend/`` (native CPU kernels in ``cpu_native`` / ``cpu_attention*.c``) | everywhere |
 
@@ -34,14 +34,17 @@ def resolve_kernel(
     block_size: int | None = None,
     dtype: torch.dtype | None = None,
     sinks: bool = False,
+    head_dim: int | None = None,
 ) -> str:
-    """Turn ``"auto"`` into the first backend of ``BACKENDS`` that suits the cache (``block_size``
-    and ``dtype`` of None suit every backend); an explicit name stays as it is."""
+    """Turn ``"auto"`` into the first backend of ``BACKENDS`` that suits the cache (``block_size``,
+    ``dtype`` and ``head_dim`` of None suit every backend); an explicit name stays as it is."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r} is not one of {KERNELS}")
     if kernel != "auto":
         return kernel
-    return next(name for name, backend in BACKENDS.items() if backend.suits(device, block_size, dtype, sinks))
+    return next(
+        name for name, backend in BACKENDS.items() if backend.suits(device, block_size, dtype, sinks, head_dim)
+    )
 
 
 def load_backend(kernel: str, device: torch.device) -> AttentionBackend:

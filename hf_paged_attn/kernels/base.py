@@ -27,7 +27,12 @@ Shared options: ``window_size`` (left, right), -1 unbounded: key j is visible to
 positions) when i - left <= j <= i + right. ``softcap`` > 0 applies ``softcap * tanh(s / softcap)``.
 ``sinks``: [H] per-head logits that join the softmax denominator only (GPT-OSS). ``max_seqlen_q`` /
 ``max_seqlen_k``: host-side upper bounds of the query and key lengths, so a launch is sized without
-a device sync (None: the backend reads what it needs from the lengths). ``memo``: a dict that lives
+a device sync (None: the backend reads what it needs from the lengths, or takes the block table's
+capacity). ``max_seqlen_q`` >= every request's query count; at 1 some requests may have none.
+``max_seqlen_k`` >= every request's key count as the lengths give it, counted from position 0 of the
+block table (prefill: ``seqused_k[b]``; decode: ``cache_seqlens[b]``, + 1 with ``k``), never the
+keys a window leaves visible: a kernel may read no key past it (flash-attn's split-KV kernel does not).
+``block_table.shape[1] * block_size`` always qualifies. ``memo``: a dict that lives
 for one forward and one attention group on one device, the same for every layer of it: a backend
 may keep layer-independent work there (the torch backend's gather plans); others ignore it. Every
 call with one ``memo`` passes the same lengths and block table.
@@ -70,14 +75,28 @@ class AttentionBackend(ABC):
     @abstractmethod
     def default_block_size(device: torch.device) -> int: ...
 
+    @staticmethod
+    def accepts_head_dim(head_dim: int) -> bool:
+        """Can it run pages of this head dim (the wider of the key and value head dims)?"""
+        return True
+
     @classmethod
-    def suits(cls, device: torch.device, block_size: int | None, dtype: torch.dtype | None, sinks: bool) -> bool:
-        """Can it run a cache of ``block_size`` (None: its own) in ``dtype`` on ``device``?"""
+    def suits(
+        cls,
+        device: torch.device,
+        block_size: int | None,
+        dtype: torch.dtype | None,
+        sinks: bool,
+        head_dim: int | None = None,
+    ) -> bool:
+        """Can it run a cache of ``block_size`` (None: its own) in ``dtype`` with pages ``head_dim`` wide
+        (None: unknown) on ``device``?"""
         return (
             cls.is_available(device)
             and (block_size is None or cls.accepts_block_size(block_size))
             and (dtype is None or cls.dtypes is None or dtype in cls.dtypes)
             and (cls.supports_sinks or not sinks)
+            and (head_dim is None or cls.accepts_head_dim(head_dim))
         )
 
     @classmethod

@@ -2,37 +2,89 @@
 
 The adapter only reshapes what flash-attn is strict about: int32 lengths and block table on the
 query's device, a contiguous block table without ``-1`` entries, tensors with a contiguous last
-dimension, and a paged block size that is a multiple of 256. Features flash-attn 2 lacks (attention
-sinks, fp32) raise ``NotImplementedError`` naming them; ``kernel="auto"`` never picks flash-attn
-for them (``PagedConfig.for_model``).
+dimension, and a paged block size that is a multiple of 256. What flash-attn 2 refuses or handles
+badly (attention sinks, fp32, head dims above 256 or not a multiple of 8, GPUs before Ampere, an
+install without the FA2 extension) raises ``NotImplementedError`` / ``ImportError`` naming it, and
+``kernel="auto"`` never picks flash-attn for it (``suits``, ``is_available``).
 
-flash-attn is imported lazily by ``_load_flash_attn`` (tests substitute a stand-in module there).
+Read against flash-attn's source at v2.6.0, v2.8.3 and main (none of it has run on a GPU here;
+``docs/kernels.md``). flash-attn is imported lazily by ``_load_flash_attn`` (tests substitute a
+stand-in module there).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import importlib.util
+import re
 from types import ModuleType
 
 import torch
 
 from .base import AttentionBackend
 
-__all__ = ["FlashBackend", "paged_decode_attention", "paged_prefill_attention", "write_kv"]
+__all__ = ["FlashBackend", "graph_safe_for", "paged_decode_attention", "paged_prefill_attention", "write_kv"]
 
 _DTYPES = (torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 256  # flash_api.cpp: "FlashAttention forward only supports head dimension at most 256"
+# flash_attn_interface.py pads q/k/v to a multiple of 8 otherwise: for a paged call, the whole page tensor.
+HEAD_DIM_MULTIPLE = 8
+MIN_CAPABILITY = (8, 0)  # flash_api.cpp: "FlashAttention only supports Ampere GPUs or newer."
+_EXTENSION = "flash_attn_2_cuda"  # FA2's compiled kernels; a flash-attn-4-only install has a bare namespace
+# First flash-attn 2 version whose mha_fwd_kvcache syncs with the host when given a block table
+# (``seqlens_k.max().item()``, a bounds check; flash-attn commit 77aacb68, PR #2711, on main where
+# flash_attn/__init__.py says 2.8.4). Up to v2.8.3.post1 it sizes the launch from the table's shape only.
+GRAPH_UNSAFE_FROM = (2, 8, 4)
+
+
+_INSTALL = "`pip install flash-attn --no-build-isolation` (or use kernel='torch' / 'triton')"
 
 
 def _load_flash_attn() -> ModuleType:
-    """Import flash_attn on first use, with an install hint when it is missing."""
+    """Import flash_attn on first use, with an install hint when it is missing or is not flash-attn 2
+    (flash-attn 4 installs ``flash_attn`` as a namespace package holding only ``flash_attn.cute``)."""
     try:
         import flash_attn
     except ImportError as exc:
+        raise ImportError(f"kernel='flash' needs flash-attn 2 on a CUDA machine: {_INSTALL}") from exc
+    if not all(hasattr(flash_attn, f) for f in ("flash_attn_varlen_func", "flash_attn_with_kvcache")):
         raise ImportError(
-            "kernel='flash' needs flash-attn 2 on a CUDA machine: "
-            "`pip install flash-attn --no-build-isolation` (or use kernel='torch' / 'triton')"
-        ) from exc
+            f"kernel='flash' needs flash-attn 2; the installed flash_attn lacks its functions: {_INSTALL}"
+        )
     return flash_attn
+
+
+def installed_version() -> str | None:
+    """The installed flash-attn 2 distribution's version (flash-attn 4 is another one), without importing it."""
+    try:
+        return importlib.metadata.version("flash_attn")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``"2.8.3.post1"`` -> (2, 8, 3): the release numbers, whatever suffix follows."""
+    match = re.match(r"\d+(\.\d+)*", version)
+    return tuple(int(n) for n in match.group(0).split(".")) if match else ()
+
+
+@functools.cache
+def graph_safe_for(version: str | None) -> bool:
+    """Whether ``flash_attn_with_kvcache`` of this flash-attn version can be captured in a CUDA graph with a
+    block table: not from ``GRAPH_UNSAFE_FROM`` on (a host sync per call), nor when flash-attn is absent."""
+    return version is not None and _release(version) < GRAPH_UNSAFE_FROM
+
+
+class _InstalledGraphSafe:
+    """``FlashBackend.graph_safe``: a bool read from the installed flash-attn's version whenever it is asked."""
+
+    def __get__(self, instance: object, owner: type | None = None) -> bool:
+        return graph_safe_for(installed_version())
+
+
+def accepts_head_dim(head_dim: int) -> bool:
+    return head_dim <= MAX_HEAD_DIM and head_dim % HEAD_DIM_MULTIPLE == 0
 
 
 def _check_supported(q: torch.Tensor, sinks: torch.Tensor | None) -> None:
@@ -42,6 +94,11 @@ def _check_supported(q: torch.Tensor, sinks: torch.Tensor | None) -> None:
         )
     if q.dtype not in _DTYPES:
         raise NotImplementedError(f"flash-attn 2 supports float16 and bfloat16 only, got {q.dtype}")
+    if not accepts_head_dim(q.shape[-1]):
+        raise NotImplementedError(
+            f"flash-attn 2 takes head dims up to {MAX_HEAD_DIM} that are multiples of {HEAD_DIM_MULTIPLE} "
+            f"(others it refuses, or pads by copying every page), got {q.shape[-1]}; use kernel='triton' or 'torch'"
+        )
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -84,6 +141,24 @@ def _options(softmax_scale: float, causal: bool, window_size: tuple[int, int], s
     )
 
 
+def _key_bound(block_table: torch.Tensor, k_cache: torch.Tensor) -> int:
+    """``max_seqlen_k`` for flash-attn: the block table's capacity, which bounds every request's keys.
+
+    With a block table flash-attn always runs its split-KV kernel, and ``compute_attn_1rowblock_splitkv``
+    reads key blocks only below ``ceil(max_seqlen_k / kBlockN)``: keys past ``max_seqlen_k`` are never
+    read and a row left without keys is written as zeros. A caller's bound can be too small (a sliding
+    group's ``max_length_k`` counts the window, not the keys from position 0 that ``cu_seqlens_k``
+    counts); this one can't, costs no sync, and is what ``mha_fwd_kvcache`` itself uses for decode."""
+    return block_table.shape[1] * k_cache.shape[1]
+
+
+def _query_bound(max_seqlen_q: int, num_queries: int, batch: int) -> int:
+    """``max_seqlen_q`` for flash-attn. At 1 with grouped heads and no window, ``mha_varlen_fwd`` reshapes q
+    to [batch, H_kv, groups, D], which only fits when every request has a query; 2 (still an upper bound,
+    and the grid of one 64-row block is the same) takes the general path when some request has none."""
+    return 2 if max_seqlen_q == 1 and num_queries != batch else max_seqlen_q
+
+
 def paged_prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -105,8 +180,8 @@ def paged_prefill_attention(
 
     q: [total_q, H, D]; k_cache, v_cache: [num_blocks, block_size, H_kv, D] already holding this
     step's keys; cu_seqlens_q: [B + 1]; seqused_k: [B] keys per request; block_table: [B, max_blocks].
-    ``max_seqlen_k`` defaults to the block table's capacity, an upper bound known without a sync;
-    ``memo`` is accepted for the protocol only.
+    flash-attn gets the block table's capacity as ``max_seqlen_k`` whatever the caller passes (see
+    ``_key_bound``); ``memo`` is accepted for the protocol only.
     Returns [total_q, H, D].
     """
     _check_supported(q, sinks)
@@ -114,8 +189,6 @@ def paged_prefill_attention(
     fa = _load_flash_attn()
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if cu_seqlens_q.numel() > 1 else 0
-    if max_seqlen_k is None:
-        max_seqlen_k = block_table.shape[1] * k_cache.shape[1]
     # With a block table, flash-attn reads each request's key count from cu_seqlens_k.
     cu_seqlens_k = torch.zeros(seqused_k.numel() + 1, dtype=torch.int32, device=q.device)
     cu_seqlens_k[1:] = seqused_k.to(q.device).cumsum(0)  # [B + 1]
@@ -125,8 +198,8 @@ def paged_prefill_attention(
         v=v_cache,
         cu_seqlens_q=_int32(cu_seqlens_q, q.device),
         cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=int(max_seqlen_q),
-        max_seqlen_k=int(max_seqlen_k),
+        max_seqlen_q=_query_bound(int(max_seqlen_q), q.shape[0], cu_seqlens_q.numel() - 1),
+        max_seqlen_k=_key_bound(block_table, k_cache),
         **_options(softmax_scale, causal, window_size, softcap),
         block_table=_safe_block_table(block_table, q.device),
     )
@@ -205,12 +278,24 @@ class FlashBackend(AttentionBackend):
     dtypes = _DTYPES
     supports_sinks = False
     block_size_rule = "a multiple of 256 (flash-attn 2's paged kernels)"
-    install_hint = "needs a CUDA device and flash-attn installed (pip install 'hf-paged-attn[flash]')"
-    graph_safe = True  # flash_attn_with_kvcache: cache_seqlens and block_table are device tensors
+    install_hint = (
+        "needs a CUDA device of compute capability 8.0+ and flash-attn 2 installed (pip install 'hf-paged-attn[flash]')"
+    )
+    # flash_attn_with_kvcache reads cache_seqlens and block_table on the device, until a version that syncs
+    graph_safe = _InstalledGraphSafe()
 
     @staticmethod
     def is_available(device: torch.device) -> bool:
-        return device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
+        # find_spec("flash_attn") alone is also true of a flash-attn-4-only install (a namespace package)
+        return (
+            device.type == "cuda"
+            and importlib.util.find_spec(_EXTENSION) is not None
+            and torch.cuda.get_device_capability(device) >= MIN_CAPABILITY
+        )
+
+    @staticmethod
+    def accepts_head_dim(head_dim: int) -> bool:
+        return accepts_head_dim(head_dim)
 
     @staticmethod
     def accepts_block_size(block_size: int) -> bool:

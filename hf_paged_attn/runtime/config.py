@@ -139,9 +139,10 @@ class PagedConfig:
             raise ValueError(f"PagedConfig.speculative must be None or a SpeculativeConfig, got {self.speculative!r}")
 
     def for_model(self, model: torch.nn.Module) -> PagedConfig:
-        """``resolved`` for ``model``: its device, dtype and whether its attention has sinks."""
+        """``resolved`` for ``model``: its device, dtype, whether its attention has sinks and its pages' head dim."""
         sinks = any(name.rsplit(".", 1)[-1] == "sinks" for name, _ in model.named_parameters())
-        return self.resolved(kernel_device(model), model.dtype, sinks)  # not model.device: "meta" when offloaded
+        # not model.device: "meta" when offloaded
+        return self.resolved(kernel_device(model), model.dtype, sinks, page_head_dim(model))
 
     def replace(self, **changes: object) -> PagedConfig:
         """A copy with ``changes`` applied (and validated)."""
@@ -152,13 +153,16 @@ class PagedConfig:
         values.update(changes)
         return PagedConfig(**values)
 
-    def resolved(self, device: torch.device, dtype: torch.dtype | None = None, sinks: bool = False) -> PagedConfig:
+    def resolved(
+        self, device: torch.device, dtype: torch.dtype | None = None, sinks: bool = False, head_dim: int | None = None
+    ) -> PagedConfig:
         """This config made concrete for a model on ``device`` in ``dtype`` (``sinks``: with attention
-        sinks): ``kernel="auto"`` becomes the backend that will run, then ``block_size=None`` that
-        backend's size, then ``cuda_graphs=None`` whether graphs can run, ``compile=None`` whether
-        the forward compiles, ``fp32_matmuls=None`` whether half-precision matmuls run in float32 and
-        ``adaptive_threads=None`` whether steps choose their thread count."""
-        kernel = resolve_kernel(self.kernel, device, self.block_size, dtype, sinks)
+        sinks; ``head_dim``: its pages' width, None unknown): ``kernel="auto"`` becomes the backend
+        that will run, then ``block_size=None`` that backend's size, then ``cuda_graphs=None`` whether
+        graphs can run, ``compile=None`` whether the forward compiles, ``fp32_matmuls=None`` whether
+        half-precision matmuls run in float32 and ``adaptive_threads=None`` whether steps choose their
+        thread count."""
+        kernel = resolve_kernel(self.kernel, device, self.block_size, dtype, sinks, head_dim)
         backend = BACKENDS[kernel]
         block_size = self.block_size or backend.default_block_size(device)
         backend.check_block_size(block_size)
@@ -193,6 +197,20 @@ class PagedConfig:
         adaptive = device.type == "cpu" if self.adaptive_threads is None else self.adaptive_threads
         return self.replace(kernel=kernel, block_size=block_size, cuda_graphs=cuda_graphs, compile=compile_,
                             fp32_matmuls=fp32, adaptive_threads=adaptive)  # fmt: skip
+
+
+def page_head_dim(model: torch.nn.Module) -> int | None:
+    """The widest head dim of ``model``'s attention modules (those with a ``layer_idx``), which is the
+    pages' width (``PagedLayer.width``: the larger of the key and value head dims); None if none says."""
+    names = ("head_dim", "qk_head_dim", "v_head_dim")  # the last two: latent attention (DeepSeek)
+    dims = [
+        value
+        for module in model.modules()
+        if hasattr(module, "layer_idx")
+        for value in (getattr(module, name, None) for name in names)
+        if isinstance(value, int) and not isinstance(value, bool)
+    ]
+    return max(dims, default=None)
 
 
 COMPILE_ENV = "HF_PAGED_ATTN_COMPILE"  # "0": ``compile=None`` means off (the test suite sets it)

@@ -17,6 +17,8 @@ prints one line per check, ``[PASS|FAIL|SKIPPED] <check>: <details>``, and its s
   through prefix hits, chunked prefill and mixed steps, every prefill read from the pages.
 - ``cascade/fp32`` (cascade.py): a shared 96-token prefix takes the torch backend's cascade decode.
 - ``mixed/offload``, ``mixed/split`` (mixed.py): half the layers on ``cuda:0``, half on the CPU.
+- ``window/bf16/flash`` (windows.py): a Gemma-2-shaped random model (sliding and full layers) on
+  flash-attn against ``"eager"``, prompts past window + one page of 256, prefilled in chunks.
 - ``bandwidth/<backend>`` (bandwidth.py): paged decode, K/V bytes per second against the peak,
   kernel-only (CUDA-graph replays) and per call. Figures only.
 - ``splitk/bf16`` (splitk.py): the Triton decode by split-K count and launch knobs. Figures only.

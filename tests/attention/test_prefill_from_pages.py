@@ -139,11 +139,11 @@ def test_hybrid_models_with_sinks_softcap_or_unequal_head_dims(name, calls, tmp_
 
 
 def test_flash_prefills_through_its_block_table(llama_dir, calls, monkeypatch):
-    """The flash backend (against the flash_attn stand-in of test_flash_plumbing: flash-attn's
+    """The flash backend (against the flash_attn stand-in of tests/kernels/fake_flash_attn.py: flash-attn's
     signatures, its checks, the float64 reference) gets every varlen step as a paged
     ``flash_attn_varlen_func`` call; tokens match the torch backend's."""
     from hf_paged_attn.kernels import flash_backend
-    from tests.kernels.test_flash_backend import FakeFlashAttn
+    from tests.kernels.fake_flash_attn import FakeFlashAttn
 
     fake = FakeFlashAttn()
     monkeypatch.setattr(flash_backend, "_load_flash_attn", lambda: fake)

@@ -1,127 +1,29 @@
 """The flash-attn adapter, run against a stand-in ``flash_attn`` module (no GPU, no flash-attn).
 
-The stand-in has flash-attn 2's exact Python signatures, so a misspelt or misplaced argument fails
-to bind; it checks what flash-attn's C++ side checks (int32 lengths and table, contiguous last
-dimension, page size multiple of 256, no negative block ids) and computes the result with the
-float64 reference, so the adapter's semantics are tested too.
+The stand-in (``fake_flash_attn.py``) has flash-attn 2's exact Python signatures, raises where its C++
+side raises and computes what its kernels compute with the float64 reference, so the adapter's
+results must equal the reference's bit for bit. Its availability, graph safety and head-dim rules
+are tested with the GPU, the version and the installed modules faked.
 """
 
 from __future__ import annotations
 
 import importlib.util
-from types import SimpleNamespace
+import sys
+import types
 
 import pytest
 import torch
 
+from hf_paged_attn import PagedConfig
+from hf_paged_attn.kernels import BACKENDS, reference, resolve_kernel
 from hf_paged_attn.kernels import flash_backend as fb
-from hf_paged_attn.kernels import reference
+from hf_paged_attn.runtime.config import page_head_dim
 from hf_paged_attn_tools.testing import shuffled_block_table
+from tests.kernels.fake_flash_attn import FakeFlashAttn, readable_keys
 
-BF16_TOL = 3e-2
-
-
-class FakeFlashAttn(SimpleNamespace):
-    """flash_attn stand-in: records every call's bound arguments in ``calls``."""
-
-    def __init__(self) -> None:
-        super().__init__(calls=[])
-
-    @staticmethod
-    def _check_common(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        assert q.dtype in (torch.float16, torch.bfloat16), "flash-attn only takes fp16/bf16"
-        assert q.dtype == k.dtype == v.dtype
-        for t in (q, k, v):
-            assert t.stride(-1) == 1, "flash-attn needs a contiguous last dimension"
-            assert t.device == q.device
-
-    @staticmethod
-    def _check_table(block_table: torch.Tensor, k_cache: torch.Tensor, q: torch.Tensor) -> None:
-        assert block_table.dtype == torch.int32 and block_table.device == q.device
-        assert block_table.is_contiguous()
-        assert int(block_table.min()) >= 0, "flash-attn would read block -1"
-        assert int(block_table.max()) < k_cache.shape[0]
-        assert k_cache.shape[1] % 256 == 0, "paged KV cache block size must be divisible by 256"
-
-    def flash_attn_varlen_func(
-        self,
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        dropout_p=0.0,
-        softmax_scale=None,
-        causal=False,
-        window_size=(-1, -1),  # -1 means infinite context window
-        softcap=0.0,  # 0.0 means deactivated
-        alibi_slopes=None,
-        deterministic=False,
-        return_attn_probs=False,
-        block_table=None,
-    ):
-        self.calls.append(("varlen", dict(locals())))
-        self._check_common(q, k, v)
-        for cu in (cu_seqlens_q, cu_seqlens_k):
-            assert cu.dtype == torch.int32 and cu.is_contiguous() and cu.device == q.device
-        assert isinstance(max_seqlen_q, int) and isinstance(max_seqlen_k, int)
-        q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
-        k_lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()
-        assert max(q_lens) <= max_seqlen_q and max(k_lens) <= max_seqlen_k
-        options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap)
-        if block_table is None:
-            return reference.varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
-        self._check_table(block_table, k, q)
-        out = torch.zeros_like(q)
-        for b, (q0, n_k) in enumerate(zip(cu_seqlens_q[:-1].tolist(), k_lens, strict=True)):
-            keys = reference.gather_pages(k, block_table[b], n_k)  # [n_k, H_kv, D]
-            values = reference.gather_pages(v, block_table[b], n_k)
-            out[q0 : q0 + q_lens[b]] = reference.attend_one(q[q0 : q0 + q_lens[b]], keys, values, **options)
-        return out
-
-    def flash_attn_with_kvcache(
-        self,
-        q,
-        k_cache,
-        v_cache,
-        k=None,
-        v=None,
-        rotary_cos=None,
-        rotary_sin=None,
-        cache_seqlens=None,
-        cache_batch_idx=None,
-        cache_leftpad=None,
-        block_table=None,
-        softmax_scale=None,
-        causal=False,
-        window_size=(-1, -1),  # -1 means infinite context window
-        softcap=0.0,  # 0.0 means deactivated
-        rotary_interleaved=True,
-        alibi_slopes=None,
-        num_splits=0,
-        return_softmax_lse=False,
-    ):
-        self.calls.append(("kvcache", dict(locals())))
-        self._check_common(q, k_cache, v_cache)
-        assert cache_seqlens.dtype == torch.int32 and cache_seqlens.device == q.device
-        self._check_table(block_table, k_cache, q)
-        block_size = k_cache.shape[1]
-        out = torch.empty_like(q)
-        for b in range(q.shape[0]):
-            n = int(cache_seqlens[b])
-            if k is not None:  # appended in place at cache_seqlens[b], as flash-attn does
-                page, off = int(block_table[b, n // block_size]), n % block_size
-                k_cache[page, off], v_cache[page, off] = k[b, 0], v[b, 0]
-                n += 1
-            keys = reference.gather_pages(k_cache, block_table[b], n)
-            values = reference.gather_pages(v_cache, block_table[b], n)
-            out[b] = reference.attend_one(
-                q[b], keys, values, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                softcap=softcap,
-            )  # fmt: skip
-        return out
+CUDA = torch.device("cuda")  # only inspected, never allocated on
+SCALE = 0.3  # not head_dim ** -0.5 (0.25 for 16), so a scale that fails to arrive shows
 
 
 @pytest.fixture
@@ -140,10 +42,6 @@ def paged_case(lens: list[int], block_size: int = 256, h_kv: int = 2, d: int = 1
     return k_cache, v_cache, table, gen
 
 
-def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.double() - b.double()).abs().max().item()
-
-
 def test_decode_appends_and_attends(fake: FakeFlashAttn) -> None:
     lens = [0, 255, 300]
     k_cache, v_cache, table, gen = paged_case([n + 1 for n in lens])
@@ -153,7 +51,7 @@ def test_decode_appends_and_attends(fake: FakeFlashAttn) -> None:
     seqlens = torch.tensor(lens)  # int64 on purpose
     table_before = table.clone()
     out = fb.paged_decode_attention(
-        q, k_cache, v_cache, k_new, v_new, seqlens, table, softmax_scale=0.25, window_size=(100, 0)
+        q, k_cache, v_cache, k_new, v_new, seqlens, table, softmax_scale=SCALE, window_size=(100, 0)
     )
     (kind, args), = fake.calls  # fmt: skip
     assert kind == "kvcache"
@@ -168,22 +66,22 @@ def test_decode_appends_and_attends(fake: FakeFlashAttn) -> None:
         keys = reference.gather_pages(k_cache, table[b], n + 1)
         assert torch.equal(keys[-1], k_new[b, 0]), "new token not appended at cache_seqlens[b]"
         values = reference.gather_pages(v_cache, table[b], n + 1)
-        ref = reference.attend_one(q[b], keys, values, softmax_scale=0.25, window_size=(100, 0))
-        assert max_err(out[b], ref) < BF16_TOL
+        ref = reference.attend_one(q[b], keys, values, softmax_scale=SCALE, window_size=(100, 0))
+        assert torch.equal(out[b], ref)
 
 
 def test_decode_without_new_kv_attends_cache_seqlens_keys(fake: FakeFlashAttn) -> None:
     k_cache, v_cache, table, gen = paged_case([11, 4])
     q = torch.randn(2, 1, 2, 16, generator=gen).bfloat16()
     seqlens = torch.tensor([11, 4], dtype=torch.int32)  # every key, the new token included
-    out = fb.paged_decode_attention(q, k_cache, v_cache, None, None, seqlens, table, softmax_scale=0.25)
+    out = fb.paged_decode_attention(q, k_cache, v_cache, None, None, seqlens, table, softmax_scale=SCALE)
     (_, args), = fake.calls  # fmt: skip
     assert args["k"] is None and args["v"] is None
     assert args["cache_seqlens"].tolist() == [11, 4]
     for b, n in enumerate([11, 4]):
         keys = reference.gather_pages(k_cache, table[b], n)
         values = reference.gather_pages(v_cache, table[b], n)
-        assert max_err(out[b], reference.attend_one(q[b], keys, values, softmax_scale=0.25)) < BF16_TOL
+        assert torch.equal(out[b], reference.attend_one(q[b], keys, values, softmax_scale=SCALE))
 
 
 def test_paged_prefill_uses_the_block_table(fake: FakeFlashAttn) -> None:
@@ -192,19 +90,19 @@ def test_paged_prefill_uses_the_block_table(fake: FakeFlashAttn) -> None:
     cu_q = torch.tensor([0, 40, 60, 61], dtype=torch.int32)
     q = torch.randn(61, 4, 16, generator=gen).bfloat16()
     out = fb.paged_prefill_attention(
-        q, k_cache, v_cache, cu_q, torch.tensor(k_lens), table, 40, softmax_scale=0.25, softcap=3.0
+        q, k_cache, v_cache, cu_q, torch.tensor(k_lens), table, 40, softmax_scale=SCALE, softcap=3.0
     )
     (kind, args), = fake.calls  # fmt: skip
     assert kind == "varlen" and args["k"] is k_cache and args["v"] is v_cache
     assert args["cu_seqlens_k"].dtype == torch.int32 and args["cu_seqlens_k"].tolist() == [0, 300, 320, 325]
-    assert args["max_seqlen_q"] == 40 and args["max_seqlen_k"] >= 300
+    assert args["max_seqlen_q"] == 40 and args["max_seqlen_k"] == table.shape[1] * 256  # the table's capacity
     assert args["block_table"].dtype == torch.int32 and int(args["block_table"].min()) >= 0
     for b in range(3):
         keys = reference.gather_pages(k_cache, table[b], k_lens[b])
         values = reference.gather_pages(v_cache, table[b], k_lens[b])
         q_b = q[int(cu_q[b]) : int(cu_q[b + 1])]
-        ref = reference.attend_one(q_b, keys, values, softmax_scale=0.25, softcap=3.0)
-        assert max_err(out[int(cu_q[b]) : int(cu_q[b + 1])], ref) < BF16_TOL
+        ref = reference.attend_one(q_b, keys, values, softmax_scale=SCALE, softcap=3.0)
+        assert torch.equal(out[int(cu_q[b]) : int(cu_q[b + 1])], ref)
     assert q_lens == (cu_q[1:] - cu_q[:-1]).tolist()
 
 
@@ -275,3 +173,164 @@ def test_write_kv_skips_negative_slots() -> None:
 def test_missing_flash_attn_names_the_fix() -> None:
     with pytest.raises(ImportError, match="pip install flash-attn"):
         fb._load_flash_attn()
+
+
+# ------------------------------------------------------------------ max_seqlen_k (issue: sliding windows)
+def test_the_stand_in_reads_no_key_past_max_seqlen_k(fake: FakeFlashAttn) -> None:
+    """The stand-in itself, called as the old adapter called it for a sliding layer (max_seqlen_k = the
+    window's keys): rows whose keys lie past ceil(max_seqlen_k / kBlockN) blocks differ, rows with none are 0."""
+    k_cache, v_cache, table, gen = paged_case([700])
+    table = table.clamp(min=0)  # the adapter's job, done here by hand
+    q = torch.randn(20, 4, 16, generator=gen).bfloat16()
+    cu_q, cu_k = torch.tensor([0, 20], dtype=torch.int32), torch.tensor([0, 700], dtype=torch.int32)
+    options = dict(softmax_scale=SCALE, causal=True, window_size=(63, 63))
+    out = fake.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 20, 83, block_table=table, **options)
+    assert readable_keys(83, 16) == 256  # kBlockN is 256 for head dim 16: one block of keys
+    assert torch.equal(out, torch.zeros_like(q)), "every row's window (from key 617) lies past key 256"
+    full = fake.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 20, 700, block_table=table, **options)
+    keys, values = (reference.gather_pages(c, table[0], 700) for c in (k_cache, v_cache))
+    assert torch.equal(full, reference.attend_one(q, keys, values, softmax_scale=SCALE, window_size=(63, 0)))
+
+
+def test_prefill_reads_every_key_whatever_max_seqlen_k_the_caller_gives(fake: FakeFlashAttn) -> None:
+    """A sliding layer's step: the caller's bound counts the window (64 keys + the chunk), the requests'
+    keys count from position 0. flash-attn gets the block table's capacity, so nothing is cut."""
+    k_lens, q_lens = [700, 300, 2], [40, 1, 2]
+    k_cache, v_cache, table, gen = paged_case(k_lens)
+    cu_q = torch.tensor([0, 40, 41, 43], dtype=torch.int32)
+    q = torch.randn(43, 4, 16, generator=gen).bfloat16()
+    window = (63, 63)
+    out = fb.paged_prefill_attention(
+        q, k_cache, v_cache, cu_q, torch.tensor(k_lens), table, 40, 64 + 40 - 1, softmax_scale=SCALE,
+        window_size=window,
+    )  # fmt: skip
+    (_, args), = fake.calls  # fmt: skip
+    assert args["max_seqlen_k"] == table.shape[1] * 256 >= max(k_lens)
+    for b in range(3):
+        keys, values = (reference.gather_pages(c, table[b], k_lens[b]) for c in (k_cache, v_cache))
+        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        assert torch.equal(out[rows], reference.attend_one(q[rows], keys, values, softmax_scale=SCALE,
+                                                           window_size=window))  # fmt: skip
+    assert q_lens == cu_q.diff().tolist()
+
+
+# ------------------------------------------------------------------ one query per request (max_seqlen_q == 1)
+@pytest.mark.parametrize("q_lens", [[1, 1, 1], [1, 0, 1], [0, 0, 1]])
+def test_prefill_with_at_most_one_query_per_request(fake: FakeFlashAttn, q_lens: list[int]) -> None:
+    """flash-attn reshapes q to [batch, H_kv, groups, D] at max_seqlen_q == 1 (grouped heads, no window):
+    a request without a query must not send it there."""
+    k_lens = [5, 3, 260]
+    k_cache, v_cache, table, gen = paged_case(k_lens)
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(sum(q_lens), 4, 16, generator=gen).bfloat16()  # 4 query heads over 2 KV heads
+    out = fb.paged_prefill_attention(q, k_cache, v_cache, cu_q, torch.tensor(k_lens), table, 1, softmax_scale=SCALE)
+    (_, args), = fake.calls  # fmt: skip
+    assert args["max_seqlen_q"] == (1 if sum(q_lens) == len(q_lens) else 2)
+    for b in range(3):
+        keys, values = (reference.gather_pages(c, table[b], k_lens[b]) for c in (k_cache, v_cache))
+        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        assert torch.equal(out[rows], reference.attend_one(q[rows], keys, values, softmax_scale=SCALE))
+
+
+def test_the_stand_in_refuses_one_query_per_request_with_a_request_short(fake: FakeFlashAttn) -> None:
+    k_cache, v_cache, table, gen = paged_case([5, 3])
+    q = torch.randn(1, 4, 16, generator=gen).bfloat16()
+    cu_q, cu_k = torch.tensor([0, 1, 1], dtype=torch.int32), torch.tensor([0, 5, 8], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="invalid for input of size"):
+        fake.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 1, 512, softmax_scale=SCALE, causal=True,
+                                    block_table=table)  # fmt: skip
+
+
+# ------------------------------------------------------------------ head dims and dtypes flash-attn refuses
+@pytest.mark.parametrize("head_dim", [12, 264, 512])
+def test_head_dims_flash_attn_refuses_are_refused(fake: FakeFlashAttn, head_dim: int) -> None:
+    k_cache, v_cache, table, gen = paged_case([3], d=head_dim)
+    q = torch.randn(1, 1, 2, head_dim, generator=gen).bfloat16()
+    seqlens = torch.tensor([3], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match=f"got {head_dim}"):
+        fb.paged_decode_attention(q, k_cache, v_cache, None, None, seqlens, table, softmax_scale=SCALE)
+    with pytest.raises(NotImplementedError, match=f"got {head_dim}"):
+        fb.paged_prefill_attention(q[0], k_cache, v_cache, torch.tensor([0, 1]), seqlens, table, 1, softmax_scale=SCALE)
+    assert not fake.calls
+    with pytest.raises(RuntimeError, match="head"):  # the stand-in refuses them too
+        fake.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table)
+    assert not fb.accepts_head_dim(head_dim) and not fb.FlashBackend.suits(CUDA, 256, torch.bfloat16, False, head_dim)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_stand_in_refuses_what_flash_attn_refuses(fake: FakeFlashAttn, dtype: torch.dtype) -> None:
+    k_cache, v_cache, table, gen = paged_case([3])
+    q = torch.randn(1, 1, 2, 16, generator=gen)
+    seqlens = torch.tensor([3], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="fp16 and bf16"):
+        fake.flash_attn_with_kvcache(q.to(dtype), k_cache.to(dtype), v_cache.to(dtype), cache_seqlens=seqlens,
+                                     block_table=table)  # fmt: skip
+
+
+@pytest.mark.parametrize("head_dim, expected", [(128, "flash"), (256, "flash"), (264, "triton"), (80, "flash"),
+                                                (36, "triton"), (None, "flash")])  # fmt: skip
+def test_auto_falls_back_from_head_dims_flash_attn_refuses(monkeypatch, head_dim, expected) -> None:
+    monkeypatch.setattr(BACKENDS["flash"], "is_available", lambda device: device.type == "cuda")
+    monkeypatch.setattr(BACKENDS["triton"], "is_available", lambda device: device.type == "cuda")
+    assert resolve_kernel("auto", CUDA, None, torch.bfloat16, False, head_dim) == expected
+    assert PagedConfig().resolved(CUDA, torch.bfloat16, head_dim=head_dim).kernel == expected
+
+
+def test_page_head_dim_is_the_widest_attention_head_dim(llama_pair) -> None:
+    _, paged = llama_pair
+    assert page_head_dim(paged) == paged.config.hidden_size // paged.config.num_attention_heads
+    assert page_head_dim(torch.nn.Linear(2, 2)) is None
+
+
+# ------------------------------------------------------------------ availability
+@pytest.fixture
+def installed(monkeypatch: pytest.MonkeyPatch) -> set[str]:
+    """The top-level modules find_spec finds (add names to it); a GPU of compute capability 8.0."""
+    found: set[str] = set()
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name in found else real(name, *a))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    return found
+
+
+def test_available_with_the_fa2_extension_on_ampere(installed: set[str]) -> None:
+    assert not fb.FlashBackend.is_available(CUDA)
+    installed |= {"flash_attn", "flash_attn_2_cuda"}
+    assert fb.FlashBackend.is_available(CUDA)
+    assert not fb.FlashBackend.is_available(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("capability, available", [((7, 0), False), ((7, 5), False), ((8, 0), True),
+                                                   ((8, 9), True), ((9, 0), True), ((10, 0), True)])  # fmt: skip
+def test_gpus_before_ampere_are_refused(installed, monkeypatch, capability, available) -> None:
+    installed |= {"flash_attn", "flash_attn_2_cuda", "triton"}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert fb.FlashBackend.is_available(CUDA) is available
+    # auto then falls back: triton needs 8.0 too, so a T4 or V100 gets torch
+    assert resolve_kernel("auto", CUDA, None, torch.bfloat16) == ("flash" if available else "torch")
+
+
+def test_a_flash_attn_4_only_install_is_not_flash_attn_2(installed: set[str], monkeypatch) -> None:
+    """flash-attn 4 installs ``flash_attn`` as a namespace package (only ``flash_attn.cute``): find_spec
+    finds it, yet it has neither the FA2 extension nor the FA2 functions."""
+    installed.add("flash_attn")
+    assert not fb.FlashBackend.is_available(CUDA)
+    namespace = types.ModuleType("flash_attn")
+    namespace.__path__ = []  # a package without __init__ code
+    monkeypatch.setitem(sys.modules, "flash_attn", namespace)
+    with pytest.raises(ImportError, match="lacks its functions"):
+        fb._load_flash_attn()
+
+
+# ------------------------------------------------------------------ CUDA graphs by version
+@pytest.mark.parametrize("version, safe", [("2.6.0", True), ("2.7.4.post1", True), ("2.8.3", True),
+                                           ("2.8.3.post1", True), ("2.8.4", False), ("2.8.4.dev0", False),
+                                           ("2.9.0", False), ("3.0.0", False), (None, False)])  # fmt: skip
+def test_graph_safe_follows_the_installed_version(monkeypatch, version, safe) -> None:
+    monkeypatch.setattr(fb, "installed_version", lambda: version)
+    assert fb.FlashBackend.graph_safe is safe and fb.FlashBackend().graph_safe is safe
+    monkeypatch.setattr(BACKENDS["flash"], "is_available", lambda device: device.type == "cuda")
+    assert PagedConfig(kernel="flash").resolved(CUDA, torch.bfloat16).cuda_graphs is safe
+    if not safe:
+        with pytest.raises(ValueError, match="cuda_graphs=True"):
+            PagedConfig(kernel="flash", cuda_graphs=True).resolved(CUDA, torch.bfloat16)

@@ -59,13 +59,13 @@ def test_resolved_picks_the_kernel_then_its_block_size(monkeypatch):
     assert (config.kernel, config.block_size) == ("triton", 16)
 
 
-def test_for_model_sees_attention_sinks(monkeypatch):
+def test_for_model_sees_attention_sinks_and_the_head_dim(monkeypatch):
     from transformers import AutoModelForCausalLM, GptOssConfig, LlamaConfig
 
     import hf_paged_attn.kernels as kernels
 
     seen = []
-    monkeypatch.setattr(kernels, "resolve_kernel", lambda *args: seen.append(args[-1]) or "torch")
+    monkeypatch.setattr(kernels, "resolve_kernel", lambda *args: seen.append(args[-2:]) or "torch")  # sinks, head dim
     monkeypatch.setattr("hf_paged_attn.runtime.config.resolve_kernel", kernels.resolve_kernel)
     config = GptOssConfig(
         vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
@@ -74,4 +74,4 @@ def test_for_model_sees_attention_sinks(monkeypatch):
     PagedConfig().for_model(AutoModelForCausalLM.from_config(config))
     llama = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4)
     PagedConfig().for_model(AutoModelForCausalLM.from_config(llama))
-    assert seen == [True, False]
+    assert seen == [(True, 8), (False, 8)]

@@ -245,9 +245,9 @@ def test_dry_run_resolves_every_api_of_every_check():
     from_list = run_script("--list", timeout=120)
     assert from_list.returncode == 0, from_list.stderr
     names = [line.split()[0] for line in from_list.stdout.splitlines()]
-    assert [line.split()[1].rstrip(":") for line in lines] == names and len(names) == 26
+    assert [line.split()[1].rstrip(":") for line in lines] == names and len(names) == 27
     assert all(line.startswith("[OK] ") for line in lines), lines
-    assert proc.stdout.rstrip().endswith("dry run: 26 checks resolved, 0 with missing APIs")
+    assert proc.stdout.rstrip().endswith("dry run: 27 checks resolved, 0 with missing APIs")
 
 
 def test_dry_run_reports_what_is_gone(gpu_check, capsys):
@@ -316,7 +316,7 @@ def test_every_check_runs_on_the_cpu(tmp_path):
     proc = run_script("--device", "cpu", "--json", str(report), timeout=1800)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     results = json.loads(report.read_text())["results"]
-    assert len(results) == 26
+    assert len(results) == 27
     for result in results:
         want = "SKIPPED" if "flash" in result["check"] else "PASS"
         assert result["status"] == want, result
