@@ -49,7 +49,7 @@ class NativeDecode(TorchBackend):
     """The torch backend whose decode is always its native C kernel (``kernels/cpu_attention.c``): one
     call that reads lengths and block tables from the tensors it is given, as flash-attn's kernel does on
     a GPU, so graph-safe. The torch backend itself is not: where the native kernel declines (and on a
-    GPU) it plans on the host."""
+    GPU) it plans on the host (``test_a_backend_that_plans_on_the_host_is_never_replayed``)."""
 
     graph_safe = True
 
@@ -209,6 +209,56 @@ def engine_layers(model):
 
 
 # ----------------------------------------------------------------------------------------------
+# the stand-in: what a graph freezes stays frozen
+# ----------------------------------------------------------------------------------------------
+
+
+def test_the_stand_in_replays_ops_not_python():
+    """Tensors are read at every replay and in-place writes happen again; a Python number is the
+    capture's; reading a tensor on the host fails the capture; a backend that plans on the host cannot
+    be one launch."""
+    static, pages, host = torch.zeros(3), torch.zeros(3), {"n": 1}
+
+    def step() -> torch.Tensor:
+        pages.add_(static)
+        return static * 2 + host["n"]
+
+    graph, out = FrozenGraphs()(step)
+    static.fill_(5.0)
+    host["n"] = 100
+    graph.replay()
+    assert out.tolist() == [11.0] * 3 and pages.tolist() == [5.0] * 3
+    with pytest.raises(RuntimeError, match=r"Tensor.item: a host read"):
+        FrozenGraphs()(lambda: static * static.sum().item())
+    with pytest.raises(AssertionError, match=r"graph-safe"):
+        LaunchedDecode(TorchBackend())
+
+
+def test_a_host_value_passed_to_the_kernel_is_the_captures(llama, graphs_on, monkeypatch):
+    """The bug class graphs cause: a value the runner hands the forward from the host (here each step's
+    own key bound, tighter than the table's) reaches the kernel as it was at capture. Steps after the
+    capture attend more keys than that bound, which the launch checks (``launch_decode``)."""
+    _, paged = llama
+    execute, logits = CudaGraphExecutor.execute, LocalExecutor.logits
+
+    def remember(self, step):
+        self.eager.longest = step.max_length_k
+        return execute(self, step)
+
+    def bounded(self, step, keep):
+        groups = tuple(dataclasses.replace(g, max_length_k=self.longest) for g in step.groups)
+        return logits(self, dataclasses.replace(step, groups=groups), keep)
+
+    monkeypatch.setattr(CudaGraphExecutor, "execute", remember)
+    monkeypatch.setattr(LocalExecutor, "logits", bounded)
+    engine = ContinuousBatchingEngine(paged, PagedConfig(num_blocks=40))
+    outputs = engine.generate(prompts_of([6, 13], seed=4), max_new_tokens=4)
+    assert engine.executor.num_replays > 0
+    assert {o.finish_reason for o in outputs} == {"error"}, "a frozen bound went unnoticed"
+    assert all("max_seqlen_k=14, but a request attends 15 keys" in o.error for o in outputs)
+
+
+# ----------------------------------------------------------------------------------------------
 # greedy parity through the runner
 # ----------------------------------------------------------------------------------------------
 
@@ -365,4 +415,20 @@ def test_a_failed_capture_leaves_the_engine_eager(llama, graphs_on, caplog):
     outputs = engine.generate(prompts, max_new_tokens=5)
     assert [o.output_ids for o in outputs] == greedy_one_by_one(ref, prompts, 5)
     assert "not permitted" in engine.executor.failed and engine.executor.num_replays == 0
+    assert "decode steps run eagerly" in caplog.text
+
+
+def test_a_backend_that_plans_on_the_host_is_never_replayed(llama, graphs_on, monkeypatch, caplog):
+    """Why ``PagedConfig`` refuses graphs with the torch backend: its decode as it runs on a GPU (torch
+    ops; the native kernel is the CPU's) reads lengths back to the host to plan its gathers. Forced
+    through the runner, its capture fails on that read, and every step runs eagerly, still right."""
+    ref, paged = llama
+    monkeypatch.setattr(cpu_native, "paged_decode", lambda *args, **kwargs: None)  # declines: the torch ops run
+    graphs_on.settings.backend, graphs_on.settings.launch = (lambda backend: backend), False
+    engine = ContinuousBatchingEngine(paged, PagedConfig(num_blocks=40))
+    assert type(engine.executor.eager.backend) is TorchBackend
+    prompts = prompts_of([6, 13], seed=3)
+    outputs = engine.generate(prompts, max_new_tokens=5)
+    assert [o.output_ids for o in outputs] == greedy_one_by_one(ref, prompts, 5)
+    assert "a host read of a device tensor" in engine.executor.failed and engine.executor.num_replays == 0
     assert "decode steps run eagerly" in caplog.text
