@@ -8,12 +8,14 @@ vLLM's ``check_logprobs_close`` allows). The gap is always computed, never assum
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedConfig
 
 from hf_paged_attn.core.blocks import blocks_for
+from hf_paged_attn.kernels.base import AttentionBackend
 
 
 def tiny_llama_config(**overrides) -> LlamaConfig:
@@ -130,3 +132,150 @@ def ragged_prompts(num: int, low: int, high: int, seed: int = 0) -> list[list[in
 def reference_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, len(prompt) :].tolist()
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA graphs on the CPU: a stand-in that freezes what a graph freezes
+# ----------------------------------------------------------------------------------------------
+
+
+class FrozenGraph:
+    """One graph of ``FrozenGraphs``: ``replay`` runs the recorded ops into ``out``; ``replays`` counts."""
+
+    def __init__(self, module: torch.fx.GraphModule, out: torch.Tensor) -> None:
+        self.module, self.out, self.replays = module, out, 0
+
+    def replay(self) -> None:
+        with torch.inference_mode():
+            self.out.copy_(self.module())
+        self.replays += 1
+
+
+class FrozenGraphs:
+    """Stand-in for ``runtime.cuda_graphs.CudaGraphFactory`` on the CPU, failing where a CUDA graph fails.
+
+    Capture traces ``fn`` with ``make_fx`` (which runs it once, as the real warm-up does): every aten op
+    is recorded with the tensors it touches held by reference (static buffers, pages, weights), and every
+    host-side value of that run (Python numbers, shapes, slice bounds, a kernel's scalar arguments) is
+    baked into the graph. Replay runs the recorded ops, never ``fn``'s Python, as a GPU replays a graph's
+    kernels. Reading a tensor's value on the host during capture raises, as a device sync does while a
+    CUDA stream captures. Kernels that are not aten ops (Triton's interpreter, the native C kernel) are
+    invisible to the trace: give the graphs' backend to ``LaunchedDecode``, which makes its decode call
+    one recorded launch. ``captured`` lists every graph made.
+    """
+
+    def __init__(self) -> None:
+        self.captured: list[FrozenGraph] = []
+
+    def __call__(self, fn: Callable[[], torch.Tensor]) -> tuple[FrozenGraph, torch.Tensor]:
+        from torch._guards import TracingContext, tracing
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        def capture() -> torch.Tensor:
+            with _NoHostReads():
+                return fn()
+
+        # One fake mode for the shapes the trace records of every value (else it makes one per value, each
+        # with its stack trace: most of a capture's time).
+        with tracing(TracingContext(FakeTensorMode())):
+            module = make_fx(capture, tracing_mode="real")()
+        (result,) = (node.args[0] for node in module.graph.nodes if node.op == "output")
+        shape = result.meta["val"]  # a fake tensor: the output's shape and dtype
+        graph = FrozenGraph(module, torch.empty(shape.shape, dtype=shape.dtype, device=shape.device))
+        self.captured.append(graph)
+        return graph, graph.out
+
+
+class _NoHostReads(torch.overrides.TorchFunctionMode):
+    """Raises where a capture would read a tensor's value on the host: on a GPU every tensor a step's
+    forward reads is on the device, and a device-to-host sync is not permitted while a stream captures."""
+
+    READS = frozenset(
+        getattr(torch.Tensor, name)
+        for name in ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__")
+    )
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if func in self.READS:
+            raise RuntimeError(f"Tensor.{func.__name__}: a host read of a device tensor, not permitted while a "
+                               "stream is capturing")  # fmt: skip
+        return func(*args, **(kwargs or {}))
+
+
+class LaunchedDecode:
+    """``backend`` whose decode call is one kernel launch to a trace (the ``launch_decode`` op): a graph
+    records it as one node, whose tensor arguments are read at every replay and whose Python arguments
+    (``max_seqlen_k``, ``softmax_scale``, the window, ``softcap``) are those of the capture, as a CUDA
+    kernel's launch parameters are. ``memo`` is dropped: it is Python state of one forward, which no
+    launch can carry (backends that run as one launch ignore it, ``kernels/base.py``). Every other entry
+    point is ``backend``'s."""
+
+    def __init__(self, backend: AttentionBackend) -> None:
+        # One launch that reads its tables at replay is what a graph-safe backend's decode is; any other's
+        # would plan on the host at every replay, which no graph does.
+        assert backend.graph_safe, f"{backend.name}: only a graph-safe backend's decode is one launch"
+        self.backend = backend
+        _LAUNCHED[id(backend)] = backend
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self.backend, name)
+
+    def paged_decode_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        cache_seqlens: torch.Tensor,
+        block_table: torch.Tensor,
+        max_seqlen_k: int | None = None,
+        *,
+        softmax_scale: float,
+        causal: bool = True,
+        window_size: tuple[int, int] = (-1, -1),
+        softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
+        memo: dict | None = None,
+    ) -> torch.Tensor:
+        return launch_decode(q, k_cache, v_cache, k, v, cache_seqlens, block_table, max_seqlen_k, id(self.backend),
+                             softmax_scale, causal, window_size[0], window_size[1], softcap, sinks)  # fmt: skip
+
+
+_LAUNCHED: dict[int, AttentionBackend] = {}  # the backends LaunchedDecode wraps, by id (an op takes no objects)
+
+
+@torch.library.custom_op("hf_paged_attn_tools::launch_decode", mutates_args=("k_cache", "v_cache"))
+def launch_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor,
+    max_seqlen_k: int | None,
+    backend: int,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """``paged_decode_attention`` of the backend ``LaunchedDecode`` registered as ``backend``, after checking
+    ``max_seqlen_k`` as a kernel that sizes its launch by it would need it (an upper bound of the keys any
+    request attends, ``kernels/base.py``): below that, such a kernel skips keys."""
+    if max_seqlen_k is not None and cache_seqlens.numel():
+        keys = cache_seqlens.long() + int(k is not None)  # [B] keys each query attends, its own included
+        if window_left >= 0:
+            keys = keys.clamp(max=window_left + 1)
+        if int(keys.max()) > max_seqlen_k:
+            raise ValueError(f"max_seqlen_k={max_seqlen_k}, but a request attends {int(keys.max())} keys: a kernel "
+                             "that sizes its launch by max_seqlen_k would skip some")  # fmt: skip
+    out = _LAUNCHED[backend].paged_decode_attention(
+        q, k_cache, v_cache, k, v, cache_seqlens, block_table, max_seqlen_k, softmax_scale=softmax_scale,
+        causal=causal, window_size=(window_left, window_right), softcap=softcap, sinks=sinks,
+    )  # fmt: skip
+    return out  # fresh memory (an op's output may not alias its inputs)

@@ -1,10 +1,11 @@
 """CUDA graphs of decode steps (``hf_paged_attn/runtime/cuda_graphs.py``), tested on the CPU.
 
-No GPU here, so the capture is swapped for ``EagerGraphs``: "capture" runs the function once (as the
-real warm-up does) and keeps it, "replay" re-runs it and writes into the captured output. The
-function reads only the executor's static buffers, so what the step needs must be in them. The
-decode kernels are the Triton backend's under the interpreter, or the torch backend forced
-through the runner (it is not graph-safe on a GPU, but on "replay" it plans afresh).
+No GPU here, so the capture is swapped for ``FrozenGraphs`` (``hf_paged_attn_tools/testing.py``):
+"capture" traces the function once, "replay" runs the recorded ops only, with every host-side value of
+the capture (Python numbers, shapes, kernel arguments) frozen, as a CUDA graph freezes them, and a host
+read during capture fails, as a device sync does. The decode kernel of the graphs' backend is one
+recorded launch (``LaunchedDecode``): the native C kernel (``NativeDecode``), or the Triton backend's
+under the interpreter.
 """
 
 from __future__ import annotations
@@ -19,16 +20,20 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import triton  # noqa: E402
 
 import hf_paged_attn  # noqa: E402, F401  (registers "paged")
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig  # noqa: E402
 from hf_paged_attn.attention.step import build_step  # noqa: E402
-from hf_paged_attn.kernels import BACKENDS  # noqa: E402
+from hf_paged_attn.kernels import BACKENDS, cpu_native  # noqa: E402
+from hf_paged_attn.kernels.torch_backend import TorchBackend  # noqa: E402
 from hf_paged_attn.kernels.triton_backend import TritonBackend  # noqa: E402
 from hf_paged_attn.runtime import executor as executor_module  # noqa: E402
 from hf_paged_attn.runtime.cuda_graphs import CudaGraphExecutor, decode_buckets, max_blocks_per_seq  # noqa: E402
 from hf_paged_attn.runtime.executor import LocalExecutor, LocalLauncher  # noqa: E402
 from hf_paged_attn_tools.testing import (  # noqa: E402
+    FrozenGraphs,
+    LaunchedDecode,
     compare_greedy,
     left_padded,
     load_pair,
@@ -40,25 +45,37 @@ from hf_paged_attn_tools.tiny_configs import tiny_config  # noqa: E402
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
-class Replay:
-    def __init__(self, fn, out: torch.Tensor) -> None:
-        self.fn, self.out, self.replays = fn, out, 0
+class NativeDecode(TorchBackend):
+    """The torch backend whose decode is always its native C kernel (``kernels/cpu_attention.c``): one
+    call that reads lengths and block tables from the tensors it is given, as flash-attn's kernel does on
+    a GPU, so graph-safe. The torch backend itself is not: where the native kernel declines (and on a
+    GPU) it plans on the host (``test_a_backend_that_plans_on_the_host_is_never_replayed``)."""
 
-    def replay(self) -> None:
-        self.out.copy_(self.fn())
-        self.replays += 1
+    graph_safe = True
 
-
-class EagerGraphs:
-    """Stand-in for ``CudaGraphFactory``: ``captured`` lists every "graph" made."""
-
-    def __init__(self) -> None:
-        self.captured: list[Replay] = []
-
-    def __call__(self, fn):
-        graph = Replay(fn, fn())
-        self.captured.append(graph)
-        return graph, graph.out
+    @staticmethod
+    def paged_decode_attention(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        cache_seqlens: torch.Tensor,
+        block_table: torch.Tensor,
+        max_seqlen_k: int | None = None,
+        *,
+        softmax_scale: float,
+        causal: bool = True,
+        window_size: tuple[int, int] = (-1, -1),
+        softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
+        memo: dict | None = None,
+    ) -> torch.Tensor:
+        assert causal and max_seqlen_k is not None
+        out = cpu_native.paged_decode(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale,
+                                      window_size[0], softcap, sinks, max_seqlen_k)  # fmt: skip
+        assert out is not None, "the native decode kernel declined the call"
+        return out
 
 
 class RecordingBackend:
@@ -77,16 +94,18 @@ class RecordingBackend:
 
 @pytest.fixture
 def graphs_on(monkeypatch):
-    """Engines built while this is active run a ``CudaGraphExecutor`` with ``EagerGraphs`` on the
-    CPU; returns the executors."""
+    """Engines built while this is active run a ``CudaGraphExecutor`` with ``FrozenGraphs`` on the
+    CPU; returns the executors. ``settings.backend`` makes the graphs' backend from the engine's (default:
+    ``NativeDecode``); ``settings.launch`` (default True) makes its decode one launch (``LaunchedDecode``)."""
     runners: list[CudaGraphExecutor] = []
-    settings = {"backend": None}
+    settings = SimpleNamespace(backend=lambda _: NativeDecode(), launch=True)
 
     def executor(self, model, cache, backend, config, layers, size):
-        backend = settings["backend"](backend) if settings["backend"] else backend
+        backend = settings.backend(backend)
+        backend = LaunchedDecode(backend) if settings.launch else backend
         max_positions = model.config.max_position_embeddings
         runners.append(CudaGraphExecutor(LocalExecutor(model, cache, backend), layers, config, size.num_blocks,
-                                         max_positions, graph_factory=EagerGraphs()))  # fmt: skip
+                                         max_positions, graph_factory=FrozenGraphs()))  # fmt: skip
         return runners[-1]
 
     monkeypatch.setattr(LocalLauncher, "_graphs", staticmethod(lambda model, config: True))
@@ -100,7 +119,6 @@ def llama(tmp_path_factory):
 
 
 def triton_backend():
-    triton = pytest.importorskip("triton")
     from hf_paged_attn.kernels import triton_ops as tb
 
     if not isinstance(tb._decode_kernel, triton.runtime.interpreter.InterpretedFunction):
@@ -194,6 +212,56 @@ def engine_layers(model):
 
 
 # ----------------------------------------------------------------------------------------------
+# the stand-in: what a graph freezes stays frozen
+# ----------------------------------------------------------------------------------------------
+
+
+def test_the_stand_in_replays_ops_not_python():
+    """Tensors are read at every replay and in-place writes happen again; a Python number is the
+    capture's; reading a tensor on the host fails the capture; a backend that plans on the host cannot
+    be one launch."""
+    static, pages, host = torch.zeros(3), torch.zeros(3), {"n": 1}
+
+    def step() -> torch.Tensor:
+        pages.add_(static)
+        return static * 2 + host["n"]
+
+    graph, out = FrozenGraphs()(step)
+    static.fill_(5.0)
+    host["n"] = 100
+    graph.replay()
+    assert out.tolist() == [11.0] * 3 and pages.tolist() == [5.0] * 3
+    with pytest.raises(RuntimeError, match=r"Tensor.item: a host read"):
+        FrozenGraphs()(lambda: static * static.sum().item())
+    with pytest.raises(AssertionError, match=r"graph-safe"):
+        LaunchedDecode(TorchBackend())
+
+
+def test_a_host_value_passed_to_the_kernel_is_the_captures(llama, graphs_on, monkeypatch):
+    """The bug class graphs cause: a value the runner hands the forward from the host (here each step's
+    own key bound, tighter than the table's) reaches the kernel as it was at capture. Steps after the
+    capture attend more keys than that bound, which the launch checks (``launch_decode``)."""
+    _, paged = llama
+    execute, logits = CudaGraphExecutor.execute, LocalExecutor.logits
+
+    def remember(self, step):
+        self.eager.longest = step.max_length_k
+        return execute(self, step)
+
+    def bounded(self, step, keep):
+        groups = tuple(dataclasses.replace(g, max_length_k=self.longest) for g in step.groups)
+        return logits(self, dataclasses.replace(step, groups=groups), keep)
+
+    monkeypatch.setattr(CudaGraphExecutor, "execute", remember)
+    monkeypatch.setattr(LocalExecutor, "logits", bounded)
+    engine = ContinuousBatchingEngine(paged, PagedConfig(num_blocks=40))
+    outputs = engine.generate(prompts_of([6, 13], seed=4), max_new_tokens=4)
+    assert engine.executor.num_replays > 0
+    assert {o.finish_reason for o in outputs} == {"error"}, "a frozen bound went unnoticed"
+    assert all("max_seqlen_k=14, but a request attends 15 keys" in o.error for o in outputs)
+
+
+# ----------------------------------------------------------------------------------------------
 # greedy parity through the runner
 # ----------------------------------------------------------------------------------------------
 
@@ -203,7 +271,7 @@ def test_model_generate_with_graphs_equals_sdpa(llama, graphs_on):
     grows and shrinks across buckets 1, 2, 4 and 5 (max_num_seqs) while requests finish and others
     start."""
     ref, paged = llama
-    graphs_on.settings["backend"] = RecordingBackend
+    graphs_on.settings.backend = lambda _: RecordingBackend(NativeDecode())
     prompts = prompts_of([3, 17, 9, 30, 5, 12, 22, 7, 14])
     new = 12
     ids, mask = left_padded(prompts)
@@ -233,7 +301,7 @@ def test_triton_decode_through_graphs_equals_sdpa(llama, graphs_on):
     tb = triton_backend()
     ref, paged = llama
     assert tb is not None
-    graphs_on.settings["backend"] = lambda _: TritonBackend()
+    graphs_on.settings.backend = lambda _: TritonBackend()
     prompts = prompts_of([4, 20, 11], seed=1)
     new = [6, 2, 4]
     engine = ContinuousBatchingEngine(paged, PagedConfig(kernel="torch", block_size=16, num_blocks=24))
@@ -352,3 +420,18 @@ def test_a_failed_capture_leaves_the_engine_eager(llama, graphs_on, caplog):
     assert "not permitted" in engine.executor.failed and engine.executor.num_replays == 0
     assert "decode steps run eagerly" in caplog.text
 
+
+def test_a_backend_that_plans_on_the_host_is_never_replayed(llama, graphs_on, monkeypatch, caplog):
+    """Why ``PagedConfig`` refuses graphs with the torch backend: its decode as it runs on a GPU (torch
+    ops; the native kernel is the CPU's) reads lengths back to the host to plan its gathers. Forced
+    through the runner, its capture fails on that read, and every step runs eagerly, still right."""
+    ref, paged = llama
+    monkeypatch.setattr(cpu_native, "paged_decode", lambda *args, **kwargs: None)  # declines: the torch ops run
+    graphs_on.settings.backend, graphs_on.settings.launch = (lambda backend: backend), False
+    engine = ContinuousBatchingEngine(paged, PagedConfig(num_blocks=40))
+    assert type(engine.executor.eager.backend) is TorchBackend
+    prompts = prompts_of([6, 13], seed=3)
+    outputs = engine.generate(prompts, max_new_tokens=5)
+    assert [o.output_ids for o in outputs] == greedy_one_by_one(ref, prompts, 5)
+    assert "a host read of a device tensor" in engine.executor.failed and engine.executor.num_replays == 0
+    assert "decode steps run eagerly" in caplog.text
