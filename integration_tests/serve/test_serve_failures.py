@@ -6,7 +6,8 @@ through httpx's ASGITransport, with each failure injected where it happens in pr
   next request runs as if nothing had happened;
 - an engine step that raises (``EngineLoop._fail_all``, the engine thread's last resort): every open
   request gets its error, none hangs;
-- a request arriving while the server shuts down: 503 ``shutting_down``, nothing left running.
+- a request arriving while the server shuts down: 503 ``shutting_down``, nothing left running;
+- a client gone while its body arrives: not an error in the log, no 500.
 
 Every wait is bounded by ``TIMEOUT``: a path that hangs fails its test instead of the suite.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -250,3 +252,36 @@ def test_a_request_added_while_the_server_begins_stopping_gets_503_and_never_run
     assert [(o.request_id, o.finish_reason, o.output_ids) for o in outputs] == [(added[0], "abort", [])]
     assert not engine.has_unfinished()
     assert_nothing_held(engine)
+
+
+# ------------------------------------------------------------------------------- a client gone mid-body
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
+def test_a_client_gone_while_its_body_arrives_is_not_an_error(engine, tokenizer, caplog, route):
+    """The connection drops after half the body: the server logs no error and answers no 500, but 499
+    (nginx's "client closed request", which uvicorn drops for a closed connection; the test sees it)."""
+    messages = [{"type": "http.request", "body": b'{"model": "demo", "pro', "more_body": True},
+                {"type": "http.disconnect"}]
+    sent: list[dict[str, Any]] = []
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": route, "raw_path": route.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", b"64")],
+             "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 50000)}
+
+    async def receive() -> dict[str, Any]:
+        if messages:
+            return messages.pop(0)
+        await asyncio.Event().wait()  # nothing more ever comes (bounded by TIMEOUT)
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def scenario(app: Any, client: httpx2.AsyncClient) -> None:
+        await app(scope, receive, send)
+
+    with caplog.at_level(logging.DEBUG):
+        run(engine, tokenizer, scenario, app_arg=True)
+    assert not messages  # the body was read up to the disconnect
+    statuses = [m["status"] for m in sent if m["type"] == "http.response.start"]
+    assert statuses == [499]
+    mine = [r for r in caplog.records if r.name.startswith("hf_paged_attn")]
+    assert all(r.levelno <= logging.INFO and r.exc_info is None for r in mine), [r.getMessage() for r in mine]
