@@ -103,6 +103,11 @@ def fail_forward(monkeypatch, engine: Any, at_call: int) -> list[int]:
     return calls
 
 
+def engine_holds(stats: Any) -> bool:
+    """Whether the engine's ``stats`` show a request or a block still held."""
+    return bool(stats.num_running or stats.num_waiting or stats.num_free_blocks != stats.num_blocks)
+
+
 def assert_nothing_held(engine: Any) -> None:
     stats = engine.stats
     assert (stats.num_running, stats.num_waiting) == (0, 0)
@@ -199,14 +204,23 @@ def test_a_failing_engine_step_fails_every_open_request_and_none_hangs(engine, t
             client.post("/v1/completions", json={**COMPLETION, "max_tokens": 64, "stream": True}),
             client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 64, "n": 2}),
         )
-        assert len(steps) == 3
+        assert len(steps) >= 3  # the fourth may have run already (below)
         for response in (plain, chat):
             assert_error_body(response, 500, "generation_error", "RuntimeError: injected step failure")
         events = sse_events(streamed)
         assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "generation_error"
         assert state["loop"].num_unfinished == 0
+        # The engine thread carries out their aborts at once (one more step), not when a request next comes.
+        deadline = time.monotonic() + TIMEOUT / 2
+        while engine_holds(state["loop"].stats) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert not engine_holds(state["loop"].stats), state["loop"].stats
+        assert len(steps) == 4  # one step more carried out the aborts; the thread then sleeps
+        registry = app.state.metrics.registry
+        counted = {reason: registry.get_sample_value("hf_paged_attn_requests_finished_total", {"finish_reason": reason})
+                   for reason in ("error", "abort")}  # fmt: skip
+        assert counted == {"error": num_requests, "abort": None}  # each failed request counted once, as an error
         monkeypatch.undo()
-        # The engine goes on: the aborted requests are carried out at its next step, which frees their blocks.
         again = await client.post("/v1/completions", json=COMPLETION)
         assert again.status_code == 200 and again.json()["choices"][0]["text"] == greedy["completion"]
         assert_nothing_held(engine)
