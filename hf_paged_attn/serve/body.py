@@ -8,19 +8,23 @@ JSON. Python's ``json`` is guarded where it fails on hostile input: nesting deep
 interpreter's recursion limit raises ``RecursionError``, an integer literal of more than 4,300 digits
 ``ValueError``, and ``NaN``/``Infinity`` are not JSON; each is a 400 here. Integer literals of more
 than ``BIG_INT_DIGITS`` digits are read as a huge sentinel (no field accepts them) so the field's
-own bound names it.
+own bound names it. A client that disconnects while its body arrives gets a 499 (nobody reads it), logged
+at debug level: its own doing, not a server error.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 
 from .errors import BIG_INT_DIGITS, APIError
 
+logger = logging.getLogger("hf_paged_attn.serve")
 _HUGE = 10**BIG_INT_DIGITS  # what an integer literal of more digits reads as (with its sign)
 
 
@@ -57,6 +61,11 @@ async def read_body(request: Request, max_bytes: int, timeout: float | None) -> 
     except asyncio.TimeoutError:
         raise APIError(408, f"the request body did not arrive within {timeout:g} s", None, "request_timeout",
                        {"Connection": "close"}) from None
+    except ClientDisconnect:  # the client's own doing, not the server's: no error, no traceback
+        logger.debug("the client disconnected while sending its request body (%d bytes arrived)", size)
+        # 499 (nginx's "client closed request"), as for a client gone during generation; the server
+        # drops whatever is sent to a closed connection
+        raise APIError(499, "client disconnected while sending the request body", None, "client_disconnected") from None
     return b"".join(chunks)
 
 

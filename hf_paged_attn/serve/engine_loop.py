@@ -52,6 +52,7 @@ class EngineLoop:
         self._stopping = False  # the thread ends once nothing is left
         self._closed = False  # no new requests (draining past its deadline, or stopping)
         self._reasons: dict[str, str] = {}  # aborted ids -> the finish reason the metrics count (guarded by _cond)
+        self._failed: set[str] = set()  # failed by _fail_all, their aborts not yet carried out in the engine (_cond)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._subscribers: dict[str, _Subscriber] = {}  # set before add_request, read and popped by the event loop
@@ -136,14 +137,16 @@ class EngineLoop:
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._live or self._stopping)
-                if not self._live:
+                self._cond.wait_for(lambda: self._live or self._failed or self._stopping)
+                if not self._live and not self._failed:
                     return  # stopping, and nothing left
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # the engine catches a failing forward itself; this is a last resort
                 logger.exception("engine step failed; failing every unfinished request")
                 outputs = self._fail_all(exc)
+            else:
+                outputs = self._drop_failed(outputs)
             with self._cond:
                 relabel = {}
                 for out in outputs:
@@ -175,7 +178,17 @@ class EngineLoop:
             except ValueError:
                 pass
             outputs.append(RequestOutput(request_id, [], [], [], True, "error", f"{type(exc).__name__}: {exc}"))
+        with self._cond:  # the engine frees their blocks at its next step: take it now, not when a request comes
+            self._failed = set(ids)  # a step that fails again gives up on the earlier ones: no loop on a broken engine
         return outputs
+
+    def _drop_failed(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """``outputs`` less the aborts of the requests ``_fail_all`` failed (already answered, and counted)."""
+        with self._cond:
+            if not self._failed:
+                return outputs
+            failed, self._failed = self._failed, set()  # this step carried out their aborts
+        return [out for out in outputs if out.request_id not in failed]
 
     def abort_all(self) -> int:
         """Refuse new requests and abort every unfinished one; their subscribers still get the final

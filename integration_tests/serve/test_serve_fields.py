@@ -470,6 +470,69 @@ def test_echo_offsets_never_run_backwards(client):
     assert [b - a for a, b in zip(offsets, offsets[1:])] == [len(t) for t in tokens[:-1]]
 
 
+# ------------------------------------------------------------------------------- generated-token logprobs
+NUM_TOP = 5
+LOGPROB_TOL = 1e-4  # fp32 logits of two attention paths: differences ~1e-6, far below any real mistake
+
+
+def sdpa_continuation(model, prompt_ids: list[int], num_tokens: int) -> tuple[list[int], object]:
+    """sdpa's greedy continuation of ``prompt_ids`` and, for each of its tokens, the log-probabilities
+    it was chosen from: ``log_softmax`` of one sdpa forward over prompt + continuation, [tokens, vocab] fp32."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=num_tokens, do_sample=False)
+        logits = model(out).logits[0, len(prompt_ids) - 1 : -1].float()  # [tokens, vocab]
+    return out[0, len(prompt_ids) :].tolist(), torch.log_softmax(logits, dim=-1)
+
+
+def check_generated_logprobs(served: list[tuple[str, float, list[tuple[str, float]]]], generated: list[int],
+                             logprobs, decode) -> int:
+    """Each served (token, logprob, top) against sdpa's token, its log-probability and its NUM_TOP best;
+    tokens as the server shows them (each decoded on its own). Where sdpa's greedy pick is a numerical
+    near-tie the server may pick the other: the comparison ends there (the gap is checked, not assumed).
+    Returns how many tokens were compared."""
+    assert len(served) == len(generated)
+    for i, ((token, logprob, top), token_id) in enumerate(zip(served, generated)):
+        values, ids = logprobs[i].topk(NUM_TOP)
+        if token != decode([token_id]):
+            assert values[0] - values[1] < LOGPROB_TOL, f"token {i}: {token!r} is not sdpa's {decode([token_id])!r}"
+            return i
+        assert logprob == pytest.approx(logprobs[i, token_id].item(), abs=LOGPROB_TOL), f"token {i}"
+        assert [t for t, _ in top] == [decode([t]) for t in ids.tolist()], f"token {i}"
+        assert [lp for _, lp in top] == pytest.approx(values.tolist(), abs=LOGPROB_TOL), f"token {i}"
+    return len(served)
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_generated_logprobs_are_sdpas_log_softmax(client, demo_server, reference, route):
+    """The generated tokens' ``logprobs`` (completions: ``logprobs: 5``; chat: ``logprobs``,
+    ``top_logprobs: 5``), greedy, against log_softmax of sdpa's logits on the same weights: each
+    token's own value and its five best alternatives, in order, within fp32 arithmetic."""
+    from hf_paged_attn.serve.text import make_decoder
+
+    tokenizer, _, model = reference
+    decode = make_decoder(tokenizer)  # how the server shows a token
+    num_tokens = 12
+    if route == "completions":
+        prompt_ids = tokenizer("The for statement iterates over")["input_ids"]
+        out = client.completions.create(model=NAME, prompt=prompt_ids, max_tokens=num_tokens, temperature=0,
+                                        logprobs=NUM_TOP).choices[0].logprobs  # fmt: skip
+        # a dict per token, keyed by text: the order is the server's (best first)
+        served = [(t, lp, list(top.items())) for t, lp, top in zip(out.tokens, out.token_logprobs, out.top_logprobs)]
+    else:
+        messages = [{"role": "user", "content": "What does a for statement do?"}]
+        status, answer = post(demo_server, "/tokenize", {"model": NAME, "messages": messages})
+        assert status == 200
+        prompt_ids = answer["tokens"]  # what the chat route runs
+        out = client.chat.completions.create(model=NAME, messages=messages, max_tokens=num_tokens, temperature=0,
+                                             logprobs=True, top_logprobs=NUM_TOP).choices[0].logprobs  # fmt: skip
+        served = [(c.token, c.logprob, [(t.token, t.logprob) for t in c.top_logprobs]) for c in out.content]
+    generated, logprobs = sdpa_continuation(model, prompt_ids, num_tokens)
+    assert len(generated) == num_tokens  # no EOS: every position is compared (up to a near-tie)
+    assert check_generated_logprobs(served, generated, logprobs, decode) >= num_tokens // 2
+
+
 def test_max_tokens_0_bounds_name_what_the_client_sent(client, demo_server):
     context = 1024  # the demo model's max_position_embeddings
     body = {"model": NAME, "prompt": [5] * (context - 1), "max_tokens": 0, "echo": True, "logprobs": 0}
