@@ -19,8 +19,9 @@ length 0, a block table whose only block is a *scratch block* that no request ev
 has one page more than the allocator hands out), slot mapping into that block. Their new K/V land
 in the scratch block, their attention reads only it, and their logits are dropped.
 
-The capture is injectable (``graph_factory``): ``CudaGraphFactory`` on a GPU; tests on the CPU use a
-stand-in that re-runs the captured function on "replay", which reads nothing but the static buffers.
+The capture is injectable (``graph_factory``): ``CudaGraphFactory`` on a GPU; tests on the CPU use
+``hf_paged_attn_tools.testing.FrozenGraphs``, which replays the traced ops with the capture's host values
+frozen, as a CUDA graph does, so a value that must come from the static buffers fails there if it does not.
 """
 
 from __future__ import annotations
@@ -228,9 +229,9 @@ class CudaGraphExecutor:
         return captured
 
     def _run_static(self, meta: StepMetadata) -> torch.Tensor:
-        """The forward a graph holds: reads the static buffers only. [bucket, vocab] logits. Each run
-        makes its own forward context, so a replay that re-runs this function (as the CPU tests'
-        stand-in does) plans afresh."""
+        """The forward a graph holds: reads the static buffers only. [bucket, vocab] logits. What the
+        kernels are given as host values (lengths, bounds) is frozen at capture: they must hold for every
+        step the bucket replays."""
         return self.eager.logits(meta, 0)
 
     def _make_buffers(self) -> _Buffers:
