@@ -51,15 +51,15 @@ docs: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
-# BENCH_ARGS: e.g. --smoke, --workload shared-prefix, --systems engine,hf_cb (see benchmarks/README.md).
+# BENCH_ARGS: e.g. --smoke, --workload shared-prefix, --systems engine,hf_cb (docs/performance.md).
 BENCH_ARGS ?= --workload uniform
 bench: $(STAMP)
 	$(PY) -m hf_paged_attn_tools.bench --out benchmarks/results $(BENCH_ARGS)
 
-# guidellm (installed apart: benchmarks/README.md) against our server and transformers serve; GUIDELLM=its executable.
+# guidellm (installed apart: docs/performance.md, Serving) against our server and transformers serve; GUIDELLM=its executable.
 GUIDELLM_ARGS ?= --repeat 3
 guidellm-bench: $(STAMP)
-	$(PY) benchmarks/guidellm_serve.py --out benchmarks/results $(GUIDELLM_ARGS)
+	$(PY) -m hf_paged_attn_tools.bench guidellm --out benchmarks/results $(GUIDELLM_ARGS)
 
 # Regenerate examples/*.ipynb from examples/make_notebooks.py, execute them, store them with outputs.
 notebooks: $(STAMP)

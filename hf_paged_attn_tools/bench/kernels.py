@@ -1,6 +1,6 @@
 """Best/median timings of the torch backend's kernels next to a one-SDPA-call-per-request loop.
 
-    python benchmarks/kernels_cpu.py [--threads N] [--cpu-time]
+    hf-paged-attn bench kernels [--threads N] [--cpu-time]
 
 --cpu-time measures process CPU time instead of wall time: steadier on a shared machine, and
 equal to wall time with --threads 1 when nothing else competes for the core. With glibc's default
@@ -86,11 +86,11 @@ def bench_decode(batch: int, context: int) -> None:
     print(f"decode {name:33s} backend {fast} | softcap {capped} | per-request loop {slow} us")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--cpu-time", action="store_true")
-    opts = parser.parse_args()
+    opts = parser.parse_args(argv)
     torch.set_num_threads(opts.threads)
     if opts.cpu_time:
         CLOCK[0] = time.process_time

@@ -1,8 +1,8 @@
 """guidellm (vLLM's load generator) against ``hf-paged-attn serve`` and ``transformers serve --continuous-batching``.
 
-    GUIDELLM=/path/to/venv/bin/guidellm python benchmarks/guidellm_serve.py            # demo model, 8 and 32 clients
-    python benchmarks/guidellm_serve.py --model random --guidellm /path/to/guidellm   # 28M random Llama
-    python benchmarks/guidellm_serve.py --smoke                                       # 2 clients, 4 requests (~30 s)
+    GUIDELLM=/path/to/venv/bin/guidellm hf-paged-attn bench guidellm            # demo model, 8 and 32 clients
+    hf-paged-attn bench guidellm --model random --guidellm /path/to/guidellm   # 28M random Llama
+    hf-paged-attn bench guidellm --smoke                                       # 2 clients, 4 requests (~30 s)
 
 guidellm is not a dependency of this project: install it in a virtual environment of its own
 (``python3 -m venv /work/guidellm-venv && /work/guidellm-venv/bin/pip install guidellm==0.8.1 torch==2.13.0``;
@@ -63,8 +63,8 @@ TRANSFORMERS_EXTRAS = {"body": {"ignore_eos": None, "generation_config": json.du
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="demo", help="'demo' (bundled), 'random' (28M random Llama) or a local path")
     p.add_argument("--guidellm", default=os.environ.get("GUIDELLM") or shutil.which("guidellm"),
                    help="the guidellm executable (default: $GUIDELLM, else guidellm on PATH)")
@@ -251,8 +251,8 @@ def versions(guidellm: str) -> dict[str, str]:
             "torch": torch.__version__, "python": sys.version.split()[0]}
 
 
-def run(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
+def run(argv: list[str] | None = None, prog: str | None = None) -> dict[str, Any]:
+    args = parse_args(argv, prog)
     out = args.out or default_out_dir()
     out.mkdir(parents=True, exist_ok=True)
     name = "smoke" if args.smoke else args.model if args.model in ("demo", "random") else Path(args.model).name
