@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-integration test-gpu test-clients bench guidellm-bench lint soak notebooks
+.PHONY: docs demo test test-slow test-integration test-gpu test-clients bench guidellm-bench lint soak notebooks
 
 # OpenMP threads that spin while they wait make a shared or busy CPU up to 30x slower (the demo:
 # 0.6 s or 20 s). Every target runs with OMP_WAIT_POLICY=PASSIVE unless the environment sets it.
@@ -44,18 +44,22 @@ test-clients: $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt -e '.[clients]'
 	HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -m clients integration_tests/test_clients.py
 
+# The documentation site (docs/, mkdocs.yml) into site/; --strict: a warning, a broken link or anchor fails.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
-# BENCH_ARGS: e.g. --smoke, --workload shared-prefix, --systems engine,hf_cb (see benchmarks/README.md).
+# BENCH_ARGS: e.g. --smoke, --workload shared-prefix, --systems engine,hf_cb (docs/performance.md).
 BENCH_ARGS ?= --workload uniform
 bench: $(STAMP)
 	$(PY) -m hf_paged_attn_tools.bench --out benchmarks/results $(BENCH_ARGS)
 
-# guidellm (installed apart: benchmarks/README.md) against our server and transformers serve; GUIDELLM=its executable.
+# guidellm (installed apart: docs/performance.md, Serving) against our server and transformers serve; GUIDELLM=its executable.
 GUIDELLM_ARGS ?= --repeat 3
 guidellm-bench: $(STAMP)
-	$(PY) benchmarks/guidellm_serve.py --out benchmarks/results $(GUIDELLM_ARGS)
+	$(PY) -m hf_paged_attn_tools.bench guidellm --out benchmarks/results $(GUIDELLM_ARGS)
 
 # Regenerate examples/*.ipynb from examples/make_notebooks.py, execute them, store them with outputs.
 notebooks: $(STAMP)

@@ -19,14 +19,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
 from cpu_attention import pages  # noqa: E402
 
 from hf_paged_attn.kernels import cpu_native  # noqa: E402

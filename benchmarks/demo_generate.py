@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import statistics
 import time
 from collections.abc import Callable
@@ -26,22 +25,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 import hf_paged_attn  # noqa: F401  registers "paged"
 from hf_paged_attn import PagedConfig
-from hf_paged_attn.demo import DEMO_MODEL, PROMPTS
+from hf_paged_attn.demo import DEMO_MODEL
 from hf_paged_attn.runtime.compiled import wait_compiled
 from hf_paged_attn_tools.bench.profile import StepProfile, format_profile
+from hf_paged_attn_tools.bench.workloads import demo_prompts as make_prompts
 from hf_paged_attn_tools.testing import left_padded
-
-
-def make_prompts(tokenizer, num: int, seed: int = 0) -> list[list[int]]:  # noqa: ANN001
-    """``num`` prompts of 4-62 tokens (seeded): the demo prompts in a shuffled order, cut. Each starts
-    at a sentence start; none shares the 32 leading tokens that would make the engine's decode treat
-    it as a shared prefix (that path has its own benchmark, ``--workload shared-prefix``)."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(num):
-        order = rng.sample(PROMPTS, len(PROMPTS))
-        out.append(tokenizer(" ".join(order))["input_ids"][: rng.randint(4, 62)])
-    return out
 
 
 def padded_generate(model, prompts: list[list[int]], batch: int, config: GenerationConfig, pad: int,  # noqa: ANN001

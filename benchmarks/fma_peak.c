@@ -1,5 +1,5 @@
 /* This CPU's peak fp32 multiply-add rate with AVX2 (8 lanes, an FMA = 2 flops), one and two threads: the roof
- * the matmul rates in benchmarks/README.md are read against.
+ * the matmul rates in docs/performance.md are read against.
  *
  *     gcc -O3 -funroll-all-loops -fopenmp benchmarks/fma_peak.c -o /tmp/fma_peak && /tmp/fma_peak
  *

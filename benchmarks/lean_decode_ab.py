@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -23,10 +22,8 @@ os.environ.setdefault("GOMP_SPINCOUNT", "3000")  # as our commands run (hf_paged
 import torch  # noqa: E402
 
 from hf_paged_attn.attention import function  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).parent))
-import vs_vllm  # noqa: E402
-from ab_report import report  # noqa: E402
+from hf_paged_attn_tools.bench import vs_vllm  # noqa: E402
+from hf_paged_attn_tools.bench.ab import report  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -27,8 +26,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", "3000")  # as our commands run (hf_paged
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parent))
-import vs_vllm  # noqa: E402
+from hf_paged_attn_tools.bench import vs_vllm  # noqa: E402
 
 LINEAR_OPS = ("hf_paged_attn::packed_linear", "hf_paged_attn::packed_linear_group", "aten::linear", "aten::mm",
               "aten::addmm")  # fmt: skip

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -23,10 +22,8 @@ import torch  # noqa: E402
 
 from hf_paged_attn import ContinuousBatchingEngine  # noqa: E402
 from hf_paged_attn.runtime.threads import ThreadTuner  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).parent))
-import vs_vllm  # noqa: E402
-from ab_report import report  # noqa: E402
+from hf_paged_attn_tools.bench import vs_vllm  # noqa: E402
+from hf_paged_attn_tools.bench.ab import report  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -462,7 +462,7 @@ A small throughput experiment: the same requests served by
 
 Then the package's own benchmark, `hf_paged_attn_tools.bench`, in its smoke configuration, and
 speculative decoding (prompt lookup) by batch size. Numbers from a tiny model on a CPU say little
-about a real model on a GPU; see `benchmarks/README.md` for the full workloads (`make bench`)."""),
+about a real model on a GPU; see `docs/performance.md` for the full workloads (`make bench`)."""),
     ("code", load("left", prompts=True) + """
 
 sdpa_model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, attn_implementation="sdpa").eval()"""),

@@ -9,7 +9,7 @@ regions, more than it saves on a small model. The commands set ``GOMP_SPINCOUNT=
 thread spins for the gaps between a step's regions and sleeps between steps. On a quiet 2-core machine,
 with the engine's thread tuner (``runtime/threads.py``), that ran three of the four vs-vLLM rows
 1.1-1.5x faster than ``PASSIVE`` (the bundled bf16 row 0.96-1.12x); when another process holds a core
-the tuner runs steps on one thread, and the two were within 7% (benchmarks/README.md, "Adaptive
+the tuner runs steps on one thread, and the two were within 7% (docs/performance.md, "Adaptive
 threads and a short spin").
 
 Only the commands set it (``hf-paged-attn ...``, ``python -m hf_paged_attn.demo`` / ``.bench`` /

@@ -1,6 +1,6 @@
-"""benchmarks/guidellm_serve.py --smoke: guidellm drives both servers and every request succeeds.
+"""hf-paged-attn bench guidellm --smoke: guidellm drives both servers and every request succeeds.
 
-guidellm is not a dependency (it lives in a virtual environment of its own, see benchmarks/README.md):
+guidellm is not a dependency (it lives in a virtual environment of its own, see docs/performance.md, Serving):
 the test runs only where ``$GUIDELLM`` names its executable or ``guidellm`` is on ``PATH``.
 """
 
@@ -16,17 +16,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "guidellm_serve.py"
 GUIDELLM = os.environ.get("GUIDELLM") or shutil.which("guidellm")
 
 
 @pytest.mark.skipif(
     not GUIDELLM or not Path(GUIDELLM).exists(),
-    reason="guidellm is not installed (set GUIDELLM=/path/to/bin/guidellm or put it on PATH; see benchmarks/README.md)",
+    reason="guidellm is not installed (set GUIDELLM=/path/to/bin/guidellm or put it on PATH; see docs/performance.md)",
 )
 def test_smoke_both_servers_every_request_ok(tmp_path):
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--guidellm", GUIDELLM, "--out", str(tmp_path)],
+        [sys.executable, "-m", "hf_paged_attn_tools.bench", "guidellm", "--smoke", "--guidellm", GUIDELLM,
+         "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=600, cwd=ROOT, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"},
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -49,7 +49,7 @@ from .modes import generation_mode, weights_version
 
 logger = logging.getLogger(__name__)
 PER_REQUEST_KEYS = ("temperature", "top_k", "top_p")  # what transformers' per-request processors take
-CACHE_ATTRIBUTE = "_hf_paged_attn_cb_manager"  # where a persistent manager waits for the next session
+CACHE_ATTRIBUTE = "_hf_paged_attn_cb_manager"  # where a persistent manager waits for its next start()
 
 
 def cached_manager(model: torch.nn.Module) -> PagedContinuousBatchingManager | None:

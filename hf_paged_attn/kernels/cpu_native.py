@@ -45,7 +45,7 @@ SOURCE = Path(__file__).with_name("cpu_attention.c")
 SOURCES = (SOURCE, SOURCE.with_name("cpu_attention_avx512.c"), SOURCE.with_name("cpu_attention_avx2.c"))
 # -fno-trapping-math: without it GCC keeps the softmax's e^x loops scalar (their clamps are branches it may
 # not turn into selects while floating-point exceptions count); with it the prefill ran 1.35x faster and the
-# decode 1.15x on a Zen 1 EPYC (benchmarks/README.md, thirteenth session). The kernels never read the flags.
+# decode 1.15x on a Zen 1 EPYC (`benchmarks/cpu_attention.py`, docs/performance.md). The kernels never read the flags.
 # -fopenmp: the kernels' threads are OpenMP's, the runtime torch loaded (libgomp.so.1, one soname), not a pool
 # of their own competing for the cores with OpenMP's spinning workers: on the 30M model the native attention
 # took 1.5 s a run with GOMP_SPINCOUNT=3000 and 2.5 s at 300,000 with a pool of its own.
@@ -57,7 +57,7 @@ MAX_HEAD_DIM = 512
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # Multiply-adds of one call above which its tasks go to the kernel's thread pool (torch's thread count):
 # waking a sleeping worker costs ~10-50 us, which a small call does not repay. What pays is time, so the
-# bound follows the kernels' speed. AVX-512 (a 2-core Xeon of benchmarks/README.md): a second thread cost
+# bound follows the kernels' speed. AVX-512 (a 2-core Xeon of docs/performance.md): a second thread cost
 # ~10% at 1M (~0.1 ms calls) and broke even at 4M. AVX2 (a 2-core Zen 1 EPYC), decode calls read from
 # memory: 1.9M (1.37 ms) ran in 1.01 ms on two threads, 475K in 0.20 against 0.23 ms, 82K lost (0.115
 # against 0.096 ms). ``threaded_work()`` is the bound; a value set here (tests) overrides it.
@@ -197,7 +197,7 @@ def threaded_work() -> int:
 # Where the native prefill loses to gathering the pages into SDPA, whose flash kernel multiplies in blocked
 # GEMMs (``torch_backend.paged_prefill_attention`` then gathers): with the portable kernels (a CPU or a
 # compiler without AVX2), for any request of some size. The 30M model's heads (8 / 2 KV, D 64), 2 threads,
-# a Zen 1 EPYC with the kernels capped at ``portable`` (benchmarks/README.md, thirteenth session), gathered /
+# a Zen 1 EPYC with the kernels capped at ``portable`` (`benchmarks/cpu_attention.py`, docs/performance.md), gathered /
 # native time: 0.74 on 6 prompts of 17-311 tokens, 0.74 on 4 x 128, 0.88 on 8 x 64, 0.85 on 64 queries over
 # 128 keys, 0.38 on 16 over 1,024, 0.59 on one 512-token prompt, 0.35 on 2,048; native ahead on 32 prompts
 # of 16 tokens (1.56). The AVX2 kernels beat SDPA on every one of these (1.03-2.5x: a twelfth-session rule
@@ -336,7 +336,7 @@ class DecodeLayers:
     shapes, strides, scale, threads), set at the first layer (``make``); each call sets only its layer's
     pointers. ``paged_decode`` checks and reshapes every argument at every call: inside a step, where the
     matmuls between two layers leave the caches cold, that cost more than the kernel for a few requests
-    (benchmarks/README.md, fifteenth session).
+    (`benchmarks/lean_decode_ab.py`, docs/performance.md).
 
     Layouts are the model's own, nothing copied: query [1, H, M, D] and the new key / value [1, H_kv, M, D]
     (any strides with a unit last one: the layers' projections and rotary embeddings give views), of which

@@ -4,7 +4,7 @@ compiles its models, with the paged attention left to the compiler as one opaque
 ``CompiledExecutor`` wraps a ``LocalExecutor``. One graph serves every step: its token count is
 dynamic (``run_graph``), as vLLM's is (bucketing, one static graph per padded size, compiled 5
 graphs in 94 s where the dynamic one took 40 s, and static shapes make inductor pick MKL's slow fp32
-matmuls here: benchmarks/README.md), and so is its thread count (``STEP_THREADS``). The compile runs
+matmuls here: docs/performance.md), and so is its thread count (``STEP_THREADS``). The compile runs
 in a background thread on a step of padding rows (``CompiledModel.start``, logged), so no request
 waits for it: steps run eagerly until the graph is ready. It starts once the model has run
 ``COMPILE_AFTER_STEPS`` steps (a short script never compiles), and a process that exits while it
@@ -103,7 +103,7 @@ SKIP_GUARDS = os.environ.get("HF_PAGED_ATTN_SKIP_GUARDS", "1") != "0"
 # The thread count the running compiled step wants, where it differs from the count its graph was compiled
 # at. Dynamo guards on torch's thread count (its global-state guard), so a graph compiled at two threads
 # would be traced and compiled again for a one-thread step (``threads.ThreadTunedExecutor`` alternates
-# them): 5-25 s more of start-up on the 2-core machines of benchmarks/README.md. Instead ``run_graph``
+# them): 5-25 s more of start-up on the 2-core machines of docs/performance.md. Instead ``run_graph``
 # enters the graph at the compiled count and ``_backend``'s wrapper, past dynamo's guards, sets the
 # step's count for the graph's body: its matmuls and the attention op read torch's count at every call,
 # and its inductor kernels read OpenMP's (``cpp.dynamic_threads``).

@@ -25,7 +25,7 @@ class PagedConfig:
             256 for flash-attn (flash-attn 2 needs a multiple of 256), 16 for triton (its kernels'
             minimum) and for torch on CUDA, 8 for torch on CPU (it halves the KV memory left
             unfilled at the end of each request's last block at no measured speed cost;
-            benchmarks/README.md).
+            docs/performance.md).
         num_blocks: the memory of ``num_blocks`` blocks (``block_size`` tokens) in every layer, for
             every model. Models with per-group tables (``hybrid_kv``) carve it into smaller blocks of
             one attention group's layers, so the same memory lets at least as many requests in.
@@ -61,7 +61,7 @@ class PagedConfig:
             later processes). The first step of a model compiles (tens of seconds on a small CPU, logged;
             inductor's disk cache shortens later processes); every later engine on the same model
             reuses it. ``None`` (the default): on for a model on the CPU when a C++ compiler is
-            found (where it was measured to win: benchmarks/README.md) and ``$HF_PAGED_ATTN_COMPILE``
+            found (where it was measured to win: docs/performance.md) and ``$HF_PAGED_ATTN_COMPILE``
             is not ``0``, off elsewhere; ``True`` on
             another device raises ValueError; ``False``: eager forwards. A failed compile is logged
             and the engine runs eagerly.

@@ -3,7 +3,7 @@
 On a CPU without AVX-512 BF16 / AMX (an AVX2 EPYC, say), torch has no fast bfloat16 (or float16)
 matmul: oneDNN declines it (``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` is False) and
 ``F.linear`` falls back to a generic loop, 7x slower than the float32 sgemm on the same shapes here
-(64 rows of a 512 x 1536 projection: 13.8 ms against 1.9 ms; benchmarks/README.md, "Against vLLM
+(64 rows of a 512 x 1536 projection: 13.8 ms against 1.9 ms; docs/performance.md, "Against vLLM
 on a CPU without AVX-512"). vLLM's CPU build is as slow there.
 
 A bf16 matmul accumulates its exact bf16 x bf16 products in float32 and rounds the sum to bf16 once;

@@ -61,7 +61,7 @@ def cpu_vendor() -> str:
 
 def packed_dtypes(vendor: str | None = None) -> tuple[torch.dtype, ...]:
     """The weight dtypes packed here: bf16 where oneDNN has a bf16 matmul (AVX-512 BF16, AMX); float32 too,
-    except on Intel CPUs. On the AMD EPYCs of benchmarks/README.md oneDNN's packed sgemm was 2-3x faster than
+    except on Intel CPUs. On the AMD EPYCs of docs/performance.md oneDNN's packed sgemm was 2-3x faster than
     MKL's (what ``F.linear`` runs in float32: MKL does not take its best AVX-512 code there); on the Intel
     Xeons it was as fast or slower."""
     vendor = cpu_vendor() if vendor is None else vendor

@@ -3,7 +3,7 @@ steps of its size faster, measured as the engine runs.
 
 Why: a step is many short parallel regions (every linear, every fused kernel of the compiled graph,
 every layer's attention). With ``OMP_WAIT_POLICY=PASSIVE`` the second thread sleeps between them, and
-waking it costs ~50 us a region on the 2-core VMs of benchmarks/README.md: more than it saves on a
+waking it costs ~50 us a region on the 2-core VMs of docs/performance.md: more than it saves on a
 small model, while the 30M model's float32 prefill needs both cores. With a short spin
 (``GOMP_SPINCOUNT``) the second thread pays off on a quiet machine, and loses 1.5x when another
 process holds the core. No fixed rule covers every model, dtype, step size and machine load, so the
@@ -19,7 +19,7 @@ counts, kept for the model's later engines, as its compiled forward is): ``model
 per call, and a fresh tuner ran its first steps of every size on one thread and two again, alternating; on
 the 30M Llama's 64 requests a new engine's run took 1.08x as long as one that kept the model's tuner (median
 of 5 rounds, 0.89-1.13x a round), on the bundled model 1.085x (8 rounds, 0.98-1.15x; ``benchmarks/tuner_ab.py``,
-benchmarks/README.md, seventeenth session).
+docs/performance.md, "Adaptive threads").
 
 ``ThreadTunedExecutor`` wraps the engine's executor (the seam of ``executor.py``): the chosen count
 holds for the step's forward only, and the caller's count is back after it. ``torch.set_num_threads``

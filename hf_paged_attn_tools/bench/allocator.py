@@ -4,7 +4,7 @@ want them): tcmalloc preloaded, OpenMP threads bound to cores. Nothing is instal
 ``tcmalloc_path`` fetches Debian's ``libtcmalloc-minimal4`` with ``apt-get download`` and unpacks it
 into a cache directory (``dpkg-deb -x``), once; ``preload_env`` gives the environment a child process
 needs (``LD_PRELOAD`` must be set before a process starts: the dynamic loader reads it once).
-benchmarks/README.md ("Allocator and threads") has what they measured.
+docs/performance.md ("Allocator and threads") has what they measured.
 """
 
 from __future__ import annotations

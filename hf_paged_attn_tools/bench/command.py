@@ -6,10 +6,14 @@
     python -m hf_paged_attn_tools.bench --workload scale [--with-baselines]
     python -m hf_paged_attn_tools.bench --profile                # engine only: ms per step by part
     python -m hf_paged_attn_tools.bench --serve [--model random]  # HTTP: our server vs transformers serve
+    python -m hf_paged_attn_tools.bench --ab '{"compile": false}' '{}' [--rounds 3]  # two PagedConfigs, A/B
+    python -m hf_paged_attn_tools.bench kernels                 # the attention kernels alone (kernels.py)
+    python -m hf_paged_attn_tools.bench vllm --vllm-python PATH  # against vLLM's CPU build (vs_vllm.py)
+    python -m hf_paged_attn_tools.bench guidellm [--smoke]       # guidellm against both servers (guidellm.py)
 
 Writes OUT/<workload>.json and OUT/<workload>_throughput.png. OUT is --out, by default a folder in the
 user's cache ($XDG_CACHE_HOME/hf_paged_attn/bench, else ~/.cache/hf_paged_attn/bench), never the
-current directory; make bench passes --out benchmarks/results. See benchmarks/README.md.
+current directory; make bench passes --out benchmarks/results. Figures and what they mean: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -30,6 +34,11 @@ from hf_paged_attn_tools.bench.systems import SYSTEMS
 from hf_paged_attn_tools.bench.workloads import WORKLOADS, Workload
 
 PROG = "python -m hf_paged_attn_tools.bench"  # the usage line's command; hf-paged-attn bench passes its own
+SUBCOMMANDS = {  # name -> (module, function(argv, prog))
+    "kernels": ("kernels", "main"),
+    "vllm": ("vs_vllm", "main"),
+    "guidellm": ("guidellm", "run"),
+}
 DEFAULT_SYSTEMS = {
     "uniform": ["engine", "generate", "hf_cb", "hf_padded"],
     "shared-prefix": ["engine", "engine+prefix", "generate", "hf_cb", "hf_padded"],
@@ -66,6 +75,9 @@ def parse_args(argv: list[str] | None = None, prog: str = PROG) -> argparse.Name
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="the dtype every system loads the model in")
     parser.add_argument("--serve", action="store_true", help="benchmark the HTTP servers instead (--serve --help)")
+    parser.add_argument("--ab", nargs=2, metavar=("A", "B"), help="run the engine with two PagedConfig overrides "
+                        "(JSON objects), alternating in one process, and compare them (--rounds)")
+    parser.add_argument("--rounds", type=int, default=3, help="with --ab: runs of each variant")
     return parser.parse_args(argv)
 
 
@@ -89,6 +101,10 @@ def run(argv: list[str] | None = None, prog: str = PROG) -> dict[str, Any]:
     work = build_workload(args)
     SYSTEMS_COMPILE["compile"] = {"auto": None, "on": True, "off": False}[args.compile]
     LOAD_DTYPE["dtype"] = getattr(__import__("torch"), args.dtype)
+    if args.ab:
+        from hf_paged_attn_tools.bench.ab import run_ab
+
+        return run_ab(work, {"A": json.loads(args.ab[0]), "B": json.loads(args.ab[1])}, args.rounds, args.threads)
     if args.profile:
         from hf_paged_attn_tools.bench.profile import print_profile, profile_workload
 
@@ -117,6 +133,11 @@ def run(argv: list[str] | None = None, prog: str = PROG) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SUBCOMMANDS:  # experiments with options of their own: COMMAND --help
+        module, function = SUBCOMMANDS[argv[0]]
+        entry = getattr(__import__(f"hf_paged_attn_tools.bench.{module}", fromlist=[function]), function)
+        entry(argv[1:], prog=f"{prog} {argv[0]}")
+        return None
     if "--serve" in argv:  # its own options: see hf_paged_attn_tools.bench.serve
         from hf_paged_attn_tools.bench.serve import main as serve_main
 

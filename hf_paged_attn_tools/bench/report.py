@@ -67,7 +67,7 @@ def headline_runs(runs: list[RunResult], work: Workload) -> dict[str, RunResult]
 
 
 def build_report(work: Workload, runs: list[RunResult], bound: dict[str, Any], environment: dict[str, Any]) -> dict:
-    """The whole JSON document (see benchmarks/README.md for every field)."""
+    """The whole JSON document (see docs/performance.md for every field)."""
     reference = next((r for r in runs if r.system == "engine"), None)
     records = [run_record(r, bound, reference) for r in runs]
     heads = headline_runs(runs, work)

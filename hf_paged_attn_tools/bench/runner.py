@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 import transformers
+from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
 from hf_paged_attn_tools.bench.bound import bound_for, measure_forward
@@ -96,7 +97,10 @@ def _run(
     bound = bound_for(work, measure_forward(models["sdpa"]))
     log(f"  body {bound['best_body_tokens_per_second']:.0f} tok/s, bound {bound['tokens_per_second']:.0f} new tok/s")
     runs = []
-    for system, level in plan(work, systems, concurrency):
+    pairs = plan(work, systems, concurrency)
+    bar = tqdm(pairs, desc=f"bench {work.name}", unit="run", disable=None, leave=False)  # stderr, a terminal only
+    for system, level in bar:
+        bar.set_postfix_str(f"{system} @{level}")
         run = SYSTEMS[system](models[MODEL_KIND[system]], work, level)
         runs.append(run)
         log(f"  {system:<14} @{level:<4} {run.tokens_per_second:8.1f} new tok/s  ({run.wall_seconds:.2f} s)")

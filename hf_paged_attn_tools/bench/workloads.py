@@ -15,7 +15,7 @@ from transformers import LlamaConfig
 from hf_paged_attn.core.blocks import blocks_for
 from hf_paged_attn_tools.testing import save_random_model
 
-BLOCK_SIZE = 8  # PagedConfig's default on CPU (benchmarks/README.md: block size)
+BLOCK_SIZE = 8  # PagedConfig's default on CPU (docs/performance.md: block size)
 MAX_BATCH_TOKENS = 512
 
 
@@ -186,3 +186,19 @@ def smoke(seed: int = 0) -> Workload:
 
 
 WORKLOADS = {"uniform": uniform, "shared-prefix": shared_prefix, "scale": scale, "smoke": smoke}
+
+
+def demo_prompts(tokenizer, num: int, seed: int = 0) -> list[list[int]]:  # noqa: ANN001
+    """``num`` prompts of 4-62 tokens (seeded) for the bundled model: its demo prompts in a shuffled order,
+    cut. Each starts at a sentence start; none shares the 32 leading tokens that would make the engine's
+    decode treat it as a shared prefix (that path has its own workload, ``shared-prefix``)."""
+    import random
+
+    from hf_paged_attn.demo import PROMPTS
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num):
+        order = rng.sample(PROMPTS, len(PROMPTS))
+        out.append(tokenizer(" ".join(order))["input_ids"][: rng.randint(4, 62)])
+    return out

@@ -7,7 +7,7 @@ One module per job: ``dense`` (batched attention on padded tensors), ``varlen`` 
 variable-length attention), ``decode`` (the decode planner: length buckets, the shared-prefix
 cascade, gather workspaces, the native kernel first on CPU) and ``prefill`` (the varlen path from
 the pages: one-query rows in place, prefilling rows gathered). Measured on CPU in
-``benchmarks/kernels_cpu.py``.
+``hf-paged-attn bench kernels``.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ CASCADE_MIN_TOKENS = 32  # shared tokens below which a group is not worth its ow
 WORKSPACE_HEADROOM = 1.25  # a decode step's gather grows by a token per request: grow buffers ahead of it
 # Fixed cost of one more length bucket in the plain decode path (indexing, two gathers, one SDPA call,
 # the scatter of its rows), in bytes of K/V it would take to gather and attend to in that time
-# (~100 us at ~5 GB/s on the 2-core CPU of benchmarks/README.md).
+# (~100 us at ~5 GB/s on the 2-core CPU of docs/performance.md).
 BUCKET_OVERHEAD_BYTES = 1 << 19
 MAX_BUCKETS = 3
 

@@ -1,5 +1,5 @@
-"""What the fifth and sixth sessions added, on the device's default path (on CUDA: CUDA graphs for
-decode steps, the backend ``kernel="auto"`` picks), none of it run on a GPU before:
+"""Speculative decoding, structured outputs and prompt log-probabilities, on the device's default path
+(on CUDA: CUDA graphs for decode steps, the backend ``kernel="auto"`` picks), none of it run on a GPU before:
 
 - ``speculative/fp32``: prompt lookup and a draft model (the model's own twin: every proposal is
   accepted, so verify steps with ``1 + k`` rows per request run every step) give sdpa's plain
