@@ -24,6 +24,15 @@ fi
 export PYTHONPATH="$PWD:$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1  # the tiny model is built locally: never reach a hub
+# On a CUDA machine, the tests marked gpu first (integration_tests/gpu: device moves between calls, the
+# CUDA kernels and graphs against sdpa); their failure fails the run after the checks have reported.
+tests_rc=0
+if [[ $# -eq 0 ]] && "$py" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
+    timeout -k 15 "${GPU_TESTS_TIMEOUT:-300}" "$py" -m pytest -q -p no:cacheprovider -m gpu integration_tests/gpu \
+        || tests_rc=$?
+fi
 # SIGTERM at the limit makes the checks report what was running and what never started; -k kills
 # them 15 s later if they are stuck inside a CUDA call.
-exec timeout -k 15 "${GPU_CHECK_TIMEOUT:-540}" "$py" -m gpu_check "$@"
+checks_rc=0
+timeout -k 15 "${GPU_CHECK_TIMEOUT:-540}" "$py" -m gpu_check "$@" || checks_rc=$?
+exit $(( checks_rc ? checks_rc : tests_rc ))
