@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
 from hf_paged_attn.runtime.speculative import SpeculativeConfig
@@ -90,11 +98,18 @@ def test_greedy_parity_with_sdpa(arch, method):
         assert not problems, "\n".join(problems)
     stats = engine.stats
     assert stats.num_cached_tokens > 0 and stats.num_draft_tokens > 0
+    # Plain decoding takes 2 * new steps (per pass: the prefill, which emits the first token, then
+    # one step per token); a speculative step emits at least one token per request, so never more.
+    assert stats.num_steps <= 2 * new
     if method == "ngram":  # a random model's loops: some lookups hit
         assert stats.num_accepted_tokens > 10
     elif method == "twin":  # the same model: every proposal but numerical near-ties
         assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens
-        assert stats.num_steps < 2 * len(prompts) * new // 2  # several tokens per step
+        # k = 3 proposals all accepted emit k + 1 tokens a step: per pass the prefill, then
+        # ceil((new - 1) / (k + 1)) steps; each rejected proposal costs at most one step more
+        k = 3
+        rejected = stats.num_draft_tokens - stats.num_accepted_tokens
+        assert stats.num_steps <= 2 * (1 + -(-(new - 1) // (k + 1))) + rejected
     else:
         assert stats.acceptance_rate < 0.3
     assert_no_leak(engine)
@@ -241,19 +256,44 @@ def vocab16(tmp_path_factory):
     return ref, paged, AutoModelForCausalLM.from_pretrained(other, attn_implementation="paged").eval()
 
 
-def target_marginals(ref, prompt: list[int], temperature: float, steps: int) -> list[torch.Tensor]:
-    """The exact distribution of each of the first ``steps`` sampled tokens: [vocab] each."""
+def target_marginals(
+    ref, prompt: list[int], temperature: float, steps: int, warpers: list | None = None
+) -> list[torch.Tensor]:
+    """The exact distribution of each of the first ``steps`` sampled tokens: [vocab] each; the
+    reference's logits go through temperature, then transformers' own ``warpers`` (top-k, ...)."""
+    processors = LogitsProcessorList([TemperatureLogitsWarper(temperature), *(warpers or [])])
     marginals, prefixes, weights = [], [prompt], torch.ones(1, dtype=torch.float64)
     for _ in range(steps):
         with torch.no_grad():
             logits = ref(torch.tensor(prefixes)).logits[:, -1].double()
-        probs = torch.softmax(logits / temperature, dim=-1)  # [prefixes, vocab]
+        probs = torch.softmax(processors(torch.tensor(prefixes), logits), dim=-1)  # [prefixes, vocab]
         joint = weights[:, None] * probs
         marginals.append(joint.sum(dim=0))
         vocab = probs.shape[-1]
         prefixes = [p + [t] for p in prefixes for t in range(vocab)]
         weights = joint.flatten()
     return marginals
+
+
+def target_joint(ref, prompt: list[int], temperature: float, steps: int, warpers: list) -> torch.Tensor:
+    """The exact probability of every sequence of the first ``steps`` sampled tokens,
+    [vocab ** steps] (index: the tokens as digits in base vocab), the logits put through
+    temperature and transformers' ``warpers``; prefixes of probability 0 are not run."""
+    processors = LogitsProcessorList([TemperatureLogitsWarper(temperature), *warpers])
+    joint = torch.ones(1, dtype=torch.float64)
+    prefixes = [prompt]
+    for _ in range(steps):
+        live = joint > 0
+        rows = [p for p, keep in zip(prefixes, live.tolist()) if keep]
+        with torch.no_grad():
+            logits = ref(torch.tensor(rows)).logits[:, -1].double()
+        probs = torch.softmax(processors(torch.tensor(rows), logits), dim=-1)  # [live prefixes, vocab]
+        vocab = probs.shape[-1]
+        step = torch.zeros(len(prefixes), vocab, dtype=torch.float64)
+        step[live] = probs
+        joint = (joint[:, None] * step).flatten()
+        prefixes = [p + [t] for p in prefixes for t in range(vocab)]
+    return joint
 
 
 @pytest.mark.parametrize("method", ["ngram", "stranger"])
@@ -283,6 +323,50 @@ def test_sampled_tokens_follow_the_target_distribution(vocab16, method):
             logits = ref(torch.tensor([prompt + [first]])).logits[0, -1].double()
         seconds = [o.output_ids[1] for o in outs if o.output_ids[0] == first]
         assert_distributed(torch.bincount(torch.tensor(seconds), minlength=16), torch.softmax(logits / temperature, -1))
+
+
+TRUNCATIONS = {  # generation options -> transformers' warper of the same truncation
+    "top_k": (dict(top_k=3, top_p=1.0), TopKLogitsWarper(3)),
+    "top_p": (dict(top_k=0, top_p=0.4), TopPLogitsWarper(0.4)),
+    "min_p": (dict(top_k=0, top_p=1.0, min_p=0.5), MinPLogitsWarper(0.5)),
+}
+
+
+@pytest.fixture(scope="module")
+def near_draft(vocab16):
+    """The vocab16 target with noise on its output layer as a paged draft: its truncated supports
+    overlap the target's (proposals are accepted) but its probabilities differ (and are rejected)."""
+    draft = AutoModelForCausalLM.from_pretrained(vocab16[1].name_or_path, attn_implementation="paged").eval()
+    with torch.no_grad():
+        w = draft.lm_head.weight
+        w.add_(torch.randn(w.shape, generator=torch.Generator().manual_seed(1)) * w.std())
+    return draft
+
+
+@pytest.mark.parametrize("truncation", list(TRUNCATIONS))
+def test_truncated_sampling_with_a_draft_follows_the_truncated_target(vocab16, near_draft, truncation):
+    """Top-k, top-p and min-p under a draft model: the frequencies of the sequences of the first
+    three tokens match their exact probabilities under the target's logits put through
+    transformers' own warpers (chi-square; a sequence the warpers exclude must never occur). The draft
+    proposes from its own truncated distribution, which differs from the target's support, so
+    proposals are accepted and rejected; were the q handed to the verifier not the distribution the
+    draft drew from (e.g. one truncated and the other not), accepted drafts would be over- or
+    under-weighted and the counts would leave the target's."""
+    ref, paged, _ = vocab16
+    prompt, temperature, n, steps = [3, 9, 0, 12, 5, 1, 14, 7, 2, 11, 4, 15, 8, 6, 13, 10, 3, 9], 0.8, 800, 3
+    options, warper = TRUNCATIONS[truncation]
+    spec = SpeculativeConfig(2, near_draft, adaptive=False)  # the first token is the prefill's, then d1, d2
+    engine = ContinuousBatchingEngine(
+        paged, PagedConfig(block_size=4, num_blocks=1200, max_num_seqs=256, seed=0, speculative=spec)
+    )
+    config = GenerationConfig(do_sample=True, temperature=temperature, **options)
+    outs = engine.generate([prompt] * n, max_new_tokens=steps, generation_config=config)
+    stats = engine.stats
+    assert stats.num_accepted_tokens > 100 and stats.num_draft_tokens - stats.num_accepted_tokens > 100
+    joint = target_joint(ref, prompt, temperature, steps, [warper])  # [16 ** steps]
+    assert int((joint > 0).sum()) < 16**steps // 4  # the warper truncates
+    sequences = torch.tensor([o.output_ids[0] * 16**2 + o.output_ids[1] * 16 + o.output_ids[2] for o in outs])
+    assert_distributed(torch.bincount(sequences, minlength=16**steps), joint)
 
 
 # ------------------------------------------------------------------------------------ generate
