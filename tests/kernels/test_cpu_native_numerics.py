@@ -1,14 +1,15 @@
 """The native CPU attention kernels (kernels/cpu_native.py, cpu_attention.c) against the float64 reference.
 
 Every case runs on an instruction set drawn from those the kernels have (``isa=``: the portable C, AVX2,
-AVX-512 with fp32 arithmetic, AVX-512 BF16 pair dot products); one above what this CPU has runs the best it has, so
-``test_the_paths_drawn_are_the_paths_run`` says which were really exercised here. float32 is held to 1e-5;
-bfloat16 to one bf16 step of the largest reference value (inputs are bf16, the reference's maths float64).
+AVX-512 with fp32 arithmetic, AVX-512 BF16 pair dot products); one above what this CPU has runs the best it has,
+which ``test_the_best_isa_is_the_one_the_cpu_flags_name`` holds to what the CPU's flags offer. float32 is held to
+1e-5; bfloat16 to one bf16 step of the largest reference value (inputs are bf16, the reference's maths float64).
 """
 
 from __future__ import annotations
 
 import math
+import platform
 import shutil
 import sys
 from pathlib import Path
@@ -275,8 +276,47 @@ def test_the_kernels_share_torchs_openmp_runtime_and_build_without_it(
     assert torch.equal(decode(), with_openmp)
 
 
-def test_the_paths_drawn_are_the_paths_run() -> None:
-    """Which instruction sets the draws above really ran here (a cap above the CPU's best runs the best)."""
+def _isa_from_cpu_flags() -> str:
+    """The instruction set the kernels should pick here, from the flags Linux reports (it hides AVX-512 when the
+    OS does not save the zmm state, as the kernels' own xgetbv check requires)."""
+    flags = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    if not {"avx2", "fma"} <= flags:
+        return "portable"
+    if not {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        return "avx2"
+    return "avx512bf16" if "avx512_bf16" in flags else "avx512"
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or not sys.platform.startswith("linux"), reason="x86 Linux flags")
+def test_the_best_isa_is_the_one_the_cpu_flags_name() -> None:
+    """The cap draws above run the best the CPU has; that best must be what the CPU offers, not a fallback."""
+    assert cpu_native.best_isa() == _isa_from_cpu_flags()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_isa_this_cpu_runs_matches_the_reference(dtype: torch.dtype) -> None:
+    """One fixed decode and prefill case on each instruction set up to the best: the float64 reference within
+    ``_assert_close`` (fp32: 1e-5; outputs are softmax-weighted means of unit-normal values, so of order 1, and
+    fp32 sums over 90 keys and 128 dims round by about sqrt(128) * 6e-8 ~ 1e-6: a tenfold margin; bf16: one bf16
+    step of the largest value), and the paths differ in their rounding, so each really ran."""
     best = cpu_native.best_isa()
-    assert best in ISAS
-    print(f"native kernels: {ISAS[: ISAS.index(best) + 1]} exercised, best {best}")
+    opts = {"kv_heads": 2, "group": 4, "head_dim": 128, "block_size": 16, "window_left": -1, "softcap": 0.0,
+            "dtype": dtype}  # fmt: skip
+    gen = torch.Generator().manual_seed(3)
+    lens = [90, 33, 1]
+    k_cache, v_cache, table = _pages(opts, lens, gen)
+    q = torch.randn(len(lens), 1, 8, 128, generator=gen).to(dtype)
+    seqlens, scale = torch.tensor(lens, dtype=torch.int32), 128**-0.5
+    outs = {}
+    for isa in ISAS[: ISAS.index(best) + 1]:
+        out = cpu_native.paged_decode(q, k_cache, v_cache, None, None, seqlens, table, scale, -1, 0.0, None,
+                                      max(lens), isa=isa)  # fmt: skip
+        for r, n in enumerate(lens):
+            _assert_close(out[r], _expected(q[r], k_cache, v_cache, table[r], n, opts, None, scale), dtype)
+        outs[isa] = out
+    if len(outs) > 1:  # a cap silently ignored would give the portable kernel's bits everywhere
+        assert any(not torch.equal(outs["portable"], out) for isa, out in outs.items() if isa != "portable")
