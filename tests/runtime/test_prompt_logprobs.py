@@ -20,13 +20,13 @@ def reference_scores(model, prompt: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
-def check_against_reference(ref, prompt: list[int], scored: list) -> None:
+def check_against_reference(ref, prompt: list[int], scored: list, k: int = K) -> None:
     assert len(scored) == len(prompt) and scored[0] is None
     expected = reference_scores(ref, prompt)  # [P - 1, vocab]
     for position, entry in enumerate(scored[1:]):
         assert entry.token_id == prompt[position + 1]
         assert entry.logprob == pytest.approx(float(expected[position, entry.token_id]), abs=1e-4)
-        values, ids = expected[position].topk(K)
+        values, ids = expected[position].topk(k)
         assert [lp for _, lp in entry.top] == pytest.approx(values.tolist(), abs=1e-4)
         gaps = (values[:-1] - values[1:]).min()
         if gaps > 1e-3:  # ids in order unless two alternatives tie within float noise
@@ -114,15 +114,17 @@ def test_siblings_share_the_prompt_scores(llama_pair):
 
 
 def test_first_output_carries_them_and_a_one_token_prompt(llama_pair):
-    _, paged = llama_pair
+    """The first streamed output of each request already holds its whole prompt's scores, equal to
+    sdpa's; a one-token prompt has nothing to score but its ``None``."""
+    ref, paged = llama_pair
     engine = ContinuousBatchingEngine(paged, PagedConfig(block_size=4, num_blocks=32))
-    engine.add_request([17], max_new_tokens=3, prompt_logprobs=2)
-    engine.add_request(list(range(1, 9)), max_new_tokens=3, prompt_logprobs=2)
+    prompts = [[17], list(range(1, 9))]
+    ids = [engine.add_request(p, max_new_tokens=3, prompt_logprobs=2) for p in prompts]
     seen = {}
     for o in engine.stream():
         seen.setdefault(o.request_id, o)  # the first output with a token
-    assert all(o.prompt_logprobs is not None for o in seen.values())
-    assert [len(o.prompt_logprobs) for o in seen.values()] == [1, 8]
+    for rid, prompt in zip(ids, prompts):
+        check_against_reference(ref, prompt, seen[rid].prompt_logprobs, k=2)
 
 
 @pytest.mark.parametrize("bad", [-1, True, 1.5, "3"])
