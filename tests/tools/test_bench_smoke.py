@@ -42,11 +42,24 @@ def test_every_system_ran_and_agrees(smoke):
     assert set(report["headline"]) == set(SYSTEMS)
     workload = report["workload"]
     assert workload["num_requests"] == 6 and workload["new_tokens"] == 48
+    longest = workload["max_new_tokens_min_max"][1]
     for rec in report["runs"]:
         for name in RUN_FIELDS:
             assert name in rec, f"{rec['system']}: {name} missing"
-        assert rec["tokens_per_second"] > 0 and math.isfinite(rec["tokens_per_second"])
-        assert rec["useful_tokens"] == 48 and rec["generated_tokens"] >= 48
+        # the figures are the counts over the measured time, nothing else
+        assert 0 < rec["wall_seconds"] < math.inf
+        assert rec["useful_tokens"] == 48
+        assert math.isclose(rec["tokens_per_second"], 48 / rec["wall_seconds"], rel_tol=1e-12)
+        assert math.isclose(rec["fraction_of_bound"], report["bound"]["seconds"] / rec["wall_seconds"], rel_tol=1e-12)
+        if rec["system"] in ("engine", "hf_cb"):  # EOS off: each request emits exactly its max_new_tokens
+            assert rec["generated_tokens"] == 48, rec
+        else:  # static batches run to their longest request
+            assert 48 <= rec["generated_tokens"] <= 6 * longest, rec
+        if rec["system"] == "engine":  # the engine's own counter, inside step() only
+            stats = rec["engine"]
+            assert stats["num_generated_tokens"] == 48
+            assert 0 < stats["busy_seconds"] <= rec["wall_seconds"]
+            assert math.isclose(stats["tokens_per_second"], 48 / stats["busy_seconds"], rel_tol=1e-12)
         assert 0 < rec["fraction_of_bound"] < 1.5, rec
         for name in ("ttft", "tpot"):
             p50, p99 = rec[f"{name}_p50_ms"], rec[f"{name}_p99_ms"]
@@ -63,13 +76,16 @@ def test_every_system_ran_and_agrees(smoke):
 def test_headline_ratios_and_bound(smoke):
     report, _ = smoke
     bound = report["bound"]
-    assert bound["seconds"] > 0 and bound["tokens_per_second"] > 0
+    assert 0 < bound["seconds"] < math.inf
+    assert math.isclose(bound["tokens_per_second"], 48 / bound["seconds"], rel_tol=1e-12)
     assert bound["head_seconds_per_token"] > 0 and bound["best_body_tokens_per_second"] > 0
     for system, entry in report["headline"].items():
         ratios = {k: v for k, v in entry.items() if k.startswith("ratio_to_")}
         expected = {f"ratio_to_{b}" for b in ("hf_cb", "hf_padded") if b != system}
         assert set(ratios) == expected, system
-        assert all(math.isfinite(v) and v > 0 for v in ratios.values())
+        for key, ratio in ratios.items():
+            base = report["headline"][key.removeprefix("ratio_to_")]
+            assert math.isclose(ratio, entry["tokens_per_second"] / base["tokens_per_second"], rel_tol=1e-12)
     assert report["sweep"]["engine"][0][0] == 1 and len(report["sweep"]["engine"]) == 2
 
 
