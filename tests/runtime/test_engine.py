@@ -17,11 +17,14 @@ from hf_paged_attn_tools.testing import (
     tiny_llama_config,
 )
 
+from .test_speculative_units import assert_distributed
+
 
 @pytest.fixture(scope="module")
 def tiny_vocab_pair(tmp_path_factory):
-    # 16 tokens: a few thousand draws then pin the distribution down (noise TV ~0.03).
-    config = tiny_llama_config(vocab_size=16, initializer_range=0.05)
+    # 16 tokens, weights large enough that the probabilities spread (0.2 down to 0.006): a thousand
+    # draws pin the distribution down
+    config = tiny_llama_config(vocab_size=16, initializer_range=0.15)
     return load_pair(save_random_model(config, tmp_path_factory.mktemp("vocab16")))
 
 
@@ -85,7 +88,7 @@ def test_generate_sampling_follows_torch_manual_seed(llama_pair):
 )
 def test_sampling_distribution_matches_processors(tiny_vocab_pair, options):
     """First-token frequencies over many requests match the distribution that transformers'
-    own processors define for the same logits (total variation distance)."""
+    own processors define for the same logits (Pearson's chi-square at p ~ 3e-5)."""
     ref, paged = tiny_vocab_pair
     prompt = [7, 8, 9, 10]
     config = GenerationConfig(do_sample=True, **options)
@@ -93,14 +96,11 @@ def test_sampling_distribution_matches_processors(tiny_vocab_pair, options):
         logits = ref(torch.tensor([prompt])).logits[:, -1].float()
     processors = ref._get_logits_processor(generation_config=config, input_ids_seq_length=len(prompt))
     expected = torch.softmax(processors(torch.tensor([prompt]), logits.clone()), dim=-1)[0]
-    n = 3000
+    n = 1000
     engine = ContinuousBatchingEngine(paged, PagedConfig(block_size=4, num_blocks=n, max_num_seqs=512, seed=0))
     outs = engine.generate([prompt] * n, max_new_tokens=1, generation_config=config)
     counts = torch.bincount(torch.tensor([o.output_ids[0] for o in outs]), minlength=expected.numel())
-    observed = counts.float() / n
-    assert observed[expected == 0].sum() == 0  # filtered tokens never appear
-    tv = 0.5 * (observed - expected).abs().sum()
-    assert tv < 0.07, f"total variation {tv:.3f}"
+    assert_distributed(counts, expected)  # filtered tokens never appear, the others as often as expected
     assert (expected > 0).sum() > 1  # the options leave a real choice: the test can fail
 
 

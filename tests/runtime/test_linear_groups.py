@@ -37,10 +37,6 @@ def want(layers: list[nn.Linear], x: torch.Tensor) -> torch.Tensor:
         return torch.cat([F.linear(x, m.weight, m.bias) for m in layers], dim=-1)
 
 
-# One matmul against three: fp32 sums of 32 products of order-1 terms reordered differ by ~1e-6.
-FP32 = dict(rtol=1e-5, atol=1e-5)
-
-
 def assert_matmul_close(got: torch.Tensor, expected: torch.Tensor) -> None:
     """One matmul against one per member: fp32 sums of 32 products of order-1 terms, reordered,
     differ by ~1e-6, so fp32 is held to 1e-5; in bf16 those sums are each rounded once to bf16
