@@ -5,6 +5,8 @@ parity of an engine that uses them with sdpa in bf16."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -13,6 +15,29 @@ import hf_paged_attn  # noqa: F401  (registers "paged")
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
 from hf_paged_attn.runtime import fp32_matmuls
 from hf_paged_attn_tools.testing import compare_greedy, load_pair, ragged_prompts, reference_greedy
+
+
+def same_arithmetic_greedy(ref: nn.Module, prompts: list[list[int]], new: int) -> list[list[int]]:
+    """sdpa's greedy tokens with the engine's float32 linears: the same arithmetic up to the order
+    of fp32 sums, so greedy parity holds to the usual 1e-4 near-tie."""
+    fp32_matmuls.install(ref)
+    try:
+        with torch.inference_mode():  # where the copies are used
+            return [reference_greedy(ref, p, new) for p in prompts]
+    finally:
+        fp32_matmuls.uninstall(ref)
+
+
+def fused_bf16_tie(ref: nn.Module, prompts: list[list[int]]) -> float:
+    """The near-tie for a compiled bf16 forward against eager sdpa: inductor keeps a fused kernel's
+    intermediates (norms, residual adds, activations) in fp32 where eager rounds every op's output
+    to bf16 (relative 2^-9 each), and the logits, bf16 themselves, move by that much: two bf16 steps
+    of the largest logit. Below 4 here (asserted), a step is 2^-6: the tie is 2^-5 = 0.031."""
+    with torch.no_grad():
+        top = max(float(ref(torch.tensor([p])).logits.abs().max()) for p in prompts)
+    assert top < 4, top
+    return 2 * 2.0 ** (math.floor(math.log2(top)) - 7)
+
 
 CPU = torch.device("cpu")
 
@@ -130,13 +155,13 @@ def test_config_switch() -> None:
 def test_engine_greedy_equals_sdpa_in_bf16(llama_dir) -> None:
     ref, paged = load_pair(llama_dir, dtype=torch.bfloat16)
     prompts = ragged_prompts(4, 3, 30, seed=5)
-    expected = [reference_greedy(ref, p, 10) for p in prompts]
+    expected = same_arithmetic_greedy(ref, prompts, 10)
     config = PagedConfig(num_blocks=64, compile=False, fp32_matmuls=True)
     with ContinuousBatchingEngine(paged, config) as engine:
         assert engine.config.fp32_matmuls is True
         got = [o.output_ids for o in engine.generate(prompts, max_new_tokens=10)]
     assert fp32_matmuls.installed(paged) > 0
-    assert not compare_greedy(ref, prompts, expected, got, tie_tolerance=0.05)
+    assert not compare_greedy(ref, prompts, expected, got)
 
 
 def test_compiled_engine_takes_the_copies_in_one_graph(llama_dir) -> None:
@@ -146,7 +171,7 @@ def test_compiled_engine_takes_the_copies_in_one_graph(llama_dir) -> None:
 
     ref, paged = load_pair(llama_dir, dtype=torch.bfloat16)
     prompts = ragged_prompts(4, 3, 30, seed=6)
-    expected = [reference_greedy(ref, p, 10) for p in prompts]
+    expected = same_arithmetic_greedy(ref, prompts, 10)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     with ContinuousBatchingEngine(paged, PagedConfig(num_blocks=64, compile=True, fp32_matmuls=True)) as engine:
         inner = getattr(engine.executor, "inner", engine.executor)  # under adaptive threads with >1 thread
@@ -156,7 +181,7 @@ def test_compiled_engine_takes_the_copies_in_one_graph(llama_dir) -> None:
         assert engine.executor.num_compiled_steps > 5
     # one graph (no break), whatever thread counts the steps run with (``compiled.STEP_THREADS``)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1
-    assert not compare_greedy(ref, prompts, expected, got, tie_tolerance=0.05)
+    assert not compare_greedy(ref, prompts, expected, got, tie_tolerance=fused_bf16_tie(ref, prompts))
 
 
 def test_a_draft_model_follows_its_target(llama_dir) -> None:
