@@ -1,21 +1,23 @@
-"""Structured outputs through the engine: every output of sampled requests (temperature 1) on the
-bundled model parses and validates; constrained and free requests share a batch; preemption in
-the middle of a constrained request; ``n > 1``; ``model.generate(structured=...)``."""
+"""Structured outputs through the engine: constrained greedy is the argmax of transformers' (sdpa)
+logits masked by llguidance's allowed set at every position; every output of sampled requests
+(temperature 1) on the bundled model parses and validates; constrained and free requests share a
+batch; preemption in the middle of a constrained request; ``n > 1``; ``model.generate(structured=...)``."""
 
 from __future__ import annotations
 
 import json
 import re
 
+import jsonschema
+import llguidance
+import llguidance.hf
+import llguidance.torch
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
 from hf_paged_attn.demo import DEMO_MODEL
-
-jsonschema = pytest.importorskip("jsonschema")
-pytest.importorskip("llguidance")
 
 SAMPLED = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
 SCHEMAS = {
@@ -58,6 +60,49 @@ def demo_engine_parts():
 
 def prompt(tokenizer, text: str = "The answer, as JSON:") -> list[int]:
     return tokenizer(text)["input_ids"]
+
+
+def allowed_tokens(matcher: llguidance.LLMatcher, vocab: int) -> torch.Tensor:
+    """[vocab] bool: the tokens llguidance allows next, unpacked from its bitmask (bit j of word i: token 32i+j)."""
+    bitmask = torch.zeros(1, (vocab + 31) // 32, dtype=torch.int32)
+    llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
+    bits = (bitmask[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1  # [words, 32]
+    return bits.flatten()[:vocab].bool()
+
+
+@pytest.mark.parametrize("name", ["enum_and_bounds", "nested_array_ref"])
+def test_constrained_greedy_is_the_argmax_of_masked_sdpa_logits(demo_engine_parts, name):
+    """At each position of a constrained greedy output, its token is the argmax of sdpa's logits over
+    the tokens llguidance's own matcher (built here, not through the engine's compiler) allows after
+    the tokens before it, up to a 1e-4 near-tie; the output ends where the grammar does."""
+    tokenizer, model = demo_engine_parts
+    ref = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, attn_implementation="sdpa").eval()
+    ids, schema = prompt(tokenizer), SCHEMAS[name]
+    engine = ContinuousBatchingEngine(model, PagedConfig())
+    rid = engine.add_request(ids, max_new_tokens=80, tokenizer=tokenizer, structured={"json": schema})
+    (out,) = engine.collect([rid])
+    assert out.finish_reason in ("stop", "eos"), out.finish_reason
+    vocab = model.config.vocab_size
+    # the engine's JSON settings (structured.GrammarCompiler): compact separators, \uXXXX escapes
+    options = {"json_allow_general_unicode_escapes": True, "whitespace_flexible": False,
+               "item_separator": ", ", "key_separator": ": "}  # fmt: skip
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+    lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=[tokenizer.eos_token_id])
+    matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
+    with torch.no_grad():
+        logits = ref(torch.tensor([ids + out.output_ids])).logits[0, len(ids) - 1 :].float()  # [new + 1, vocab]
+    num_choices = 0  # positions where the grammar left more than one token: the argmax decided
+    for i, token in enumerate(out.output_ids):
+        allowed = allowed_tokens(matcher, vocab)
+        num_choices += int(allowed.sum() > 1)
+        masked = logits[i].masked_fill(~allowed, -torch.inf)
+        assert allowed[token], f"token {i} ({token}) is not allowed by the grammar"
+        if token != int(masked.argmax()):
+            assert float(masked.max() - masked[token]) <= 1e-4, (i, token, int(masked.argmax()))
+        assert matcher.consume_token(token), matcher.get_error()
+    assert matcher.is_stopped() or matcher.is_accepting()
+    assert num_choices >= 5, num_choices
+    jsonschema.validate(json.loads(tokenizer.decode(out.output_ids, skip_special_tokens=True)), schema)
 
 
 @pytest.mark.parametrize("name", list(SCHEMAS))
