@@ -14,8 +14,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-
-triton = pytest.importorskip("triton")
+import triton  # noqa: E402
 
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig  # noqa: E402
 from hf_paged_attn.kernels import BACKENDS  # noqa: E402

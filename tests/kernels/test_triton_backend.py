@@ -19,10 +19,8 @@ import sys
 os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
-
-triton = pytest.importorskip("triton")
-
 import torch  # noqa: E402
+import triton  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 

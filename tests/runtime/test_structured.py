@@ -12,6 +12,7 @@ import json
 import re
 import threading
 
+import jsonschema
 import pytest
 import torch
 from hypothesis import given, settings
@@ -19,10 +20,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from hf_paged_attn.demo import DEMO_MODEL
-
-jsonschema = pytest.importorskip("jsonschema")
-pytest.importorskip("llguidance")
-from hf_paged_attn.runtime.structured import (  # noqa: E402
+from hf_paged_attn.runtime.structured import (
     GrammarCompiler,
     Matcher,
     StructuredSpec,
