@@ -133,7 +133,9 @@ def plain_attention(
         q_len, k_len = scores.shape[-2:]
         attention_mask = torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device).tril(k_len - q_len)
     if attention_mask.dtype == torch.bool:
-        scores = scores.masked_fill(~attention_mask, float("-inf"))
+        # the dtype's minimum, as eager's additive mask: a left-padding query row masked whole gets
+        # finite weights, not 0/0 = NaN that the next layer's 0 * NaN spreads to every row
+        scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
     else:
         scores = scores + attention_mask
     if s_aux is not None:
