@@ -24,6 +24,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None  # a prompt token's: 1 + how many tokens were likelier (vLLM's prompt_logprobs rank)
 
 
 @dataclass(slots=True)
