@@ -183,18 +183,20 @@ class ContinuousBatchingEngine(BatchAPI):
 
     def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy named tensors into the model's parameters and buffers of those names, in place (checked
-        first: a bad name or shape raises ValueError and loads nothing), and drop every cached prefix,
-        whose K/V the old weights computed. Returns how many tensors were loaded. Requests in flight keep
-        the K/V they have and compute their next tokens with the new weights."""
-        num_loaded = load_named_tensors(self.model, weights)
+        first: a bad name or shape raises ValueError and loads nothing), and drop every K/V the old weights
+        computed: the prefix cache, and the blocks of the requests in flight, which are preempted and
+        recompute their prompt and the tokens generated so far, so every later token follows the new
+        weights alone. Returns how many tensors were loaded."""
+        return self._new_weights(load_named_tensors(self.model, weights))
+
+    def _new_weights(self, num_loaded: int) -> int:
+        self.scheduler.recompute_all()
         self.reset_prefix_cache()
         return num_loaded
 
     def load_weights_from_dir(self, path: str | os.PathLike[str]) -> int:
         """``load_weights`` of every tensor in the ``*.safetensors`` files of directory ``path``."""
-        num_loaded = load_directory(self.model, path)
-        self.reset_prefix_cache()
-        return num_loaded
+        return self._new_weights(load_directory(self.model, path))
 
     # ----------------------------------------------------------------------------- the loop
     def has_unfinished(self) -> bool:

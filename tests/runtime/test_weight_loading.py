@@ -50,15 +50,26 @@ def test_load_weights_drops_the_old_prefix_cache_and_follows_the_new_weights(eng
     assert after != before  # the check can fail: the new weights change the output
 
 
-def test_a_request_running_across_a_load_caches_nothing(engine):
+def test_a_request_whose_kv_began_before_a_reset_caches_nothing(engine):
     engine.add_request(PROMPT, max_new_tokens=40, request_id="old")
     for _ in range(3):
-        engine.step()  # its prompt is in the cache, computed with the old weights
-    engine.load_weights(perturbed(engine.model, 1))
+        engine.step()  # its prompt's blocks are computed, and cached
+    assert engine.reset_prefix_cache() >= 2
     while engine.has_unfinished():
-        engine.step()  # it ends on the new weights: its blocks hold both, and must join no cache
+        engine.step()  # the blocks it fills now hold K/V that began before the reset: none joins the cache
     assert engine.allocator.num_cached_blocks == 0
     engine.allocator.check_invariants()
+
+
+def test_what_a_request_recomputes_after_a_load_is_cached_under_the_new_weights(engine):
+    engine.add_request(PROMPT, max_new_tokens=8, request_id="old")
+    engine.step()
+    weights = perturbed(engine.model, 1)
+    engine.load_weights(weights)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.allocator.num_cached_blocks >= 2  # its prompt, recomputed with the new weights
+    assert greedy(engine, PROMPT, 8) == sdpa_greedy(weights, PROMPT, 8)
 
 
 def test_load_weights_from_dir(engine, tmp_path):
@@ -85,3 +96,21 @@ def test_a_bad_checkpoint_loads_nothing(engine, bad):
 def test_load_weights_from_a_directory_without_safetensors(engine, tmp_path):
     with pytest.raises(ValueError, match="no .safetensors"):
         engine.load_weights_from_dir(tmp_path)
+
+
+def test_a_request_in_flight_recomputes_and_continues_on_the_new_weights(engine):
+    engine.add_request(PROMPT, max_new_tokens=16, request_id="r")
+    outputs = []
+    for _ in range(4):
+        outputs += engine.step()
+    so_far = [t for out in outputs for t in out.new_ids]
+    assert 0 < len(so_far) < 16
+    weights = perturbed(engine.model, 3)
+    engine.load_weights(weights)
+    while engine.has_unfinished():
+        outputs += engine.step()
+    final = outputs[-1]
+    assert final.finished and len(final.output_ids) == 16 and final.output_ids[: len(so_far)] == so_far
+    # every token after the load is new-weights greedy given the tokens before it (its K/V recomputed)
+    rest = sdpa_greedy(weights, PROMPT + so_far, 16 - len(so_far))
+    assert final.output_ids[len(so_far):] == rest
