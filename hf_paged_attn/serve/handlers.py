@@ -22,7 +22,7 @@ import inspect
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -111,6 +111,7 @@ class Handlers:
         # thread; after it, a compile (which releases the GIL) holds up no tokenizing.
         self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="hf-paged-grammar")
         self._grammars_ready = False
+        self.wait_unpaused: Callable[[], Awaitable[None]] | None = None  # set by the app with the RL control routes
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -358,6 +359,8 @@ class Handlers:
         return config
 
     async def _start(self, job: Job) -> JobRun:
+        if self.wait_unpaused is not None:  # paused by /pause: the request runs after /resume
+            await self.wait_unpaused()
         num_new = len(job.prompts) * job.n
         if self.loop.num_unfinished + num_new > self.settings.max_queue:
             raise APIError(429, f"the server's queue is full ({self.settings.max_queue} requests); retry later",

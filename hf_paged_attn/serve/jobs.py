@@ -168,7 +168,8 @@ def _event(choice: Choice, out: Any, decode: Callable[[list[int]], str], echo_on
     if out.finish_reason == "error":
         raise APIError(500, f"generation failed: {out.error}", code="generation_error")
     if out.finish_reason == "abort":
-        raise APIError(503, "the request was aborted (the server is shutting down)", code="aborted")
+        raise APIError(503, "the request was aborted (the server is shutting down, or was paused with mode=abort)",
+                       code="aborted")
     scored = None
     if getattr(out, "prompt_logprobs", None) is not None and not choice.prompt_scored:
         choice.prompt_scored = True
