@@ -54,6 +54,8 @@ class BlockAllocator:
         self._used_in: dict[int, int] = {}  # blocks in use per group
         self._key_of: dict[int, PrefixKey] = {}
         self._cached: dict[PrefixKey, int] = {}
+        # bumped by reset_prefix_cache: blocks computed under an earlier epoch (other weights) never join the cache
+        self.epoch = 0
 
     # ------------------------------------------------------------------ counts
     @property
@@ -152,6 +154,18 @@ class BlockAllocator:
         if key not in self._cached:  # a twin computed at the same time stays uncached
             self._cached[key] = block
             self._key_of[block] = key
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (the weights changed: their K/V is stale) and start a new epoch;
+        returns how many blocks were forgotten. Free cached blocks become empty; held ones stay with
+        their holders, no longer findable."""
+        num_forgotten = len(self._key_of)
+        self._empty.extend(self._evictable)
+        self._evictable.clear()
+        self._key_of.clear()
+        self._cached.clear()
+        self.epoch += 1
+        return num_forgotten
 
     def _forget(self, block: int) -> None:
         key = self._key_of.pop(block, None)

@@ -121,6 +121,7 @@ class KVBlockManager:
         for table, hits in zip(self.tables(request), tables):
             table[:] = self.allocator.fork(hits)
         request.num_computed_tokens = num_cached
+        request.cache_epoch = self.allocator.epoch  # its K/V (hits included) is of the current weights
         if request.num_preemptions == 0:  # count what a fresh request was spared, not recomputes
             request.num_cached_tokens = num_cached
             self.num_prompt_tokens += len(request.prompt_ids)
@@ -195,7 +196,8 @@ class KVBlockManager:
         first_full = request.num_computed_tokens // size
         request.num_computed_tokens += num_new
         last_full = request.num_computed_tokens // size
-        if self.allocator.enable_prefix_caching:
+        # a request whose earlier K/V is of weights since replaced (reset_prefix_cache) caches nothing
+        if self.allocator.enable_prefix_caching and request.cache_epoch == self.allocator.epoch:
             for g, table in enumerate(self.tables(request)):
                 for i in range(first_full, last_full):
                     if table[i] != RELEASED:
@@ -230,6 +232,7 @@ class KVBlockManager:
         for source, table in zip(self.tables(parent), self.tables(child)):
             table[:] = self.allocator.fork(source)
         child.num_computed_tokens = parent.num_computed_tokens
+        child.cache_epoch = parent.cache_epoch
 
     def release(self, request: Request) -> None:
         """Give back every block of ``request`` (finished, aborted or preempted). Freed tail first,

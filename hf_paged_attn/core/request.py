@@ -24,6 +24,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None  # a prompt token's: 1 + how many tokens were likelier (vLLM's prompt_logprobs rank)
 
 
 @dataclass(slots=True)
@@ -72,6 +73,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)  # the block table of attention group 0
     extra_block_ids: list[list[int]] = field(default_factory=list)  # those of groups 1, 2, ... (hybrid models)
     block_digests: list[bytes] = field(default_factory=list)  # prefix-cache chain digests (kv_manager)
+    cache_epoch: int = 0  # the allocator's epoch when its K/V began: only then do its blocks join the cache
     finish_reason: str | None = None
     error: str | None = None
     exception: BaseException | None = None

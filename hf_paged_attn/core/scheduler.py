@@ -127,6 +127,15 @@ class Scheduler:
             return 0
         return ahead if self.kv.reserve(request, 1 + ahead) else 0
 
+    def recompute_all(self) -> int:
+        """Preempt every running request (the weights changed: the K/V they hold is stale): each waits to
+        recompute its prompt and the tokens it has generated. Returns how many were preempted."""
+        out = SchedulerOutput()
+        for request in list(self.running):
+            if request in self.running:  # a beam group goes whole, with its first member
+                self._preempt(request, out)
+        return len(out.preempted)
+
     def _pick_victim(self, exclude: set[int]) -> Request | None:
         """The policy's victim among running requests none of whose group is in ``exclude``."""
         candidates = [r for r in self.running if not any(id(m) in exclude for m in _group_of(r))]

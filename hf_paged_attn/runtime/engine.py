@@ -3,8 +3,9 @@ the scheduler's plan, the executor's forward, the update from its logits."""
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
@@ -30,6 +31,7 @@ from .sampling import make_sampling_params, resolve_max_new_tokens
 from .speculative.speculator import build_speculator
 from .stats import EngineStats, StepCounters
 from .update import Updater
+from .weight_loading import load_directory, load_named_tensors
 
 
 class ContinuousBatchingEngine(BatchAPI):
@@ -171,6 +173,30 @@ class ContinuousBatchingEngine(BatchAPI):
         """Cancel a request; its blocks are freed at the next step, which emits its final output
         (reason ``"abort"``). Returns False if it had already finished; unknown ids raise ValueError."""
         return self.intake.abort(request_id)
+
+    # ----------------------------------------------------------------------------- weights and cache
+    # These three change state that ``step`` reads: call them from the thread that steps, or while none steps.
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix; returns how many blocks were forgotten. Requests running now keep
+        their blocks, and the blocks they fill from now on join no cache (their K/V began before)."""
+        return self.allocator.reset_prefix_cache()
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy named tensors into the model's parameters and buffers of those names, in place (checked
+        first: a bad name or shape raises ValueError and loads nothing), and drop every K/V the old weights
+        computed: the prefix cache, and the blocks of the requests in flight, which are preempted and
+        recompute their prompt and the tokens generated so far, so every later token follows the new
+        weights alone. Returns how many tensors were loaded."""
+        return self._new_weights(load_named_tensors(self.model, weights))
+
+    def _new_weights(self, num_loaded: int) -> int:
+        self.scheduler.recompute_all()
+        self.reset_prefix_cache()
+        return num_loaded
+
+    def load_weights_from_dir(self, path: str | os.PathLike[str]) -> int:
+        """``load_weights`` of every tensor in the ``*.safetensors`` files of directory ``path``."""
+        return self._new_weights(load_directory(self.model, path))
 
     # ----------------------------------------------------------------------------- the loop
     def has_unfinished(self) -> bool:

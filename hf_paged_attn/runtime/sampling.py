@@ -430,11 +430,14 @@ def prompt_token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> li
     model's distribution after the tokens before it) and its ``k`` best alternatives, in one pass."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [P, vocab]
     index = torch.tensor(tokens, device=logits.device).unsqueeze(1)  # [P, 1]
-    chosen = logprobs.gather(1, index).squeeze(1).tolist()  # [P]
+    chosen_t = logprobs.gather(1, index)  # [P, 1]
+    ranks = ((logprobs > chosen_t).sum(dim=-1) + 1).tolist()  # [P]
+    chosen = chosen_t.squeeze(1).tolist()  # [P]
     if not k:
-        return [TokenLogprob(t, lp) for t, lp in zip(tokens, chosen)]
+        return [TokenLogprob(t, lp, rank=r) for t, lp, r in zip(tokens, chosen, ranks)]
     values, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)  # [P, k]
-    return [TokenLogprob(t, lp, list(zip(i, v))) for t, lp, i, v in zip(tokens, chosen, ids.tolist(), values.tolist())]
+    return [TokenLogprob(t, lp, list(zip(i, v)), r)
+            for t, lp, i, v, r in zip(tokens, chosen, ids.tolist(), values.tolist(), ranks)]
 
 
 def resolve_max_new_tokens(config: GenerationConfig, prompt_length: int, value: int | None) -> int:

@@ -23,11 +23,13 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
 from .. import __version__
+from .body import parse_json
+from .control import Control, UpdateFromDisk, UpdateWeights, server_info, world_size
 from .engine_loop import EngineLoop
 from .errors import APIError, error_response
 from .handlers import Handlers, ServeSettings
 from .metrics import CONTENT_TYPE, ServeMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .protocol import ChatCompletionRequest, CompletionRequest, parse
 from .tokenization import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 
 logger = logging.getLogger("hf_paged_attn.serve")
@@ -138,8 +140,94 @@ def build_app(engine: Any, tokenizer: Any, settings: ServeSettings) -> FastAPI:
         check_key(request)
         return await handlers.detokenize(request)
 
+    @app.get("/get_world_size")
+    @guarded
+    async def get_world_size(request: Request) -> Any:
+        check_key(request)
+        return {"world_size": world_size()}
+
+    @app.get("/server_info")
+    @guarded
+    async def get_server_info(request: Request) -> Any:
+        check_key(request)
+        config_format = request.query_params.get("config_format", "json")
+        if config_format != "json":
+            raise APIError(400, f"config_format must be json, got {config_format!r}", "config_format")
+        return server_info(engine, settings.model_name, handlers.context_length, __version__)
+
+    if settings.rl_endpoints:
+        add_control_routes(app, Control(loop), handlers, check_key)
     app.openapi = functools.partial(openapi_schema, app)  # type: ignore[method-assign]
     return app
+
+
+def _flag(request: Request, name: str, default: bool) -> bool:
+    value = request.query_params.get(name)
+    if value is None:
+        return default
+    if value.lower() not in ("true", "false", "1", "0"):
+        raise APIError(400, f"{name} must be true or false, got {value[:64]!r}", name)
+    return value.lower() in ("true", "1")
+
+
+def add_control_routes(app: FastAPI, control: Control, handlers: Handlers, check_key: Callable[[Request], None]
+                       ) -> None:
+    """The RL loop's routes (``control.py``), behind the API key: ``/pause``, ``/resume``, ``/is_paused``,
+    ``/reset_prefix_cache``, ``/update_weights_from_disk`` (SGLang's) and ``/update_weights`` (prime-rl's)."""
+    handlers.wait_unpaused = control.wait_unpaused
+
+    @app.post("/pause")
+    @guarded
+    async def pause(request: Request) -> Any:
+        check_key(request)  # vLLM's defaults: abort what runs, drop the prefix cache
+        return await control.pause(request.query_params.get("mode", "abort"), _flag(request, "clear_cache", True))
+
+    @app.post("/resume")
+    @guarded
+    async def resume(request: Request) -> Any:
+        check_key(request)
+        return await control.resume()
+
+    @app.get("/is_paused")
+    @guarded
+    async def is_paused(request: Request) -> Any:
+        check_key(request)
+        return {"is_paused": control.paused}
+
+    @app.post("/reset_prefix_cache")
+    @guarded
+    async def reset_prefix_cache(request: Request) -> Any:
+        check_key(request)
+        return await control.reset_prefix_cache()
+
+    @app.post("/update_weights_from_disk")
+    @guarded
+    async def update_weights_from_disk(request: Request) -> Any:
+        check_key(request)
+        req = parse(UpdateFromDisk, parse_json(await handlers._body(request)))
+        if not req.flush_cache:
+            raise APIError(400, "flush_cache=false would serve K/V cached under the old weights; not supported",
+                           "flush_cache", "unsupported_parameter")
+        if req.load_format not in (None, "safetensors", "auto"):
+            raise APIError(400, f"load_format {req.load_format!r}: only safetensors files load", "load_format",
+                           "unsupported_parameter")
+        if req.abort_all_requests:
+            await control.pause("abort", True)
+            try:
+                return await control.load(req.model_path)
+            finally:
+                await control.resume()
+        return await control.load(req.model_path)
+
+    @app.post("/update_weights")
+    @guarded
+    async def update_weights(request: Request) -> Any:
+        check_key(request)
+        req = parse(UpdateWeights, parse_json(await handlers._body(request)))
+        if req.update_info is not None or req.weight_dir is None:
+            raise APIError(400, "this server loads weights from a directory ({\"weight_dir\": PATH}); vLLM's NCCL "
+                           "weight transfer (update_info) is not available", "update_info", "unsupported_parameter")
+        return await control.load(req.weight_dir)
 
 
 COMPLETION_ANSWER = {"description": "the completion (JSON), or server-sent events ending with data: [DONE] when "

@@ -36,18 +36,20 @@ def control_strings(tokenizer: Any) -> list[str]:
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], template: str,
-                    tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True) -> list[int]:
+                    tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """The prompt ids of ``messages`` (``{"role", "content", ...}``) and ``tools`` through ``template``,
-    with a generation prompt unless ``add_generation_prompt`` is false."""
-    text = render(tokenizer, messages, template, tools, add_generation_prompt)
+    with a generation prompt unless ``add_generation_prompt`` is false; ``template_kwargs``: more variables
+    for the template (vLLM's ``chat_template_kwargs``)."""
+    text = render(tokenizer, messages, template, tools, add_generation_prompt, template_kwargs)
     controls = control_strings(tokenizer)
-    strings = list(_strings([messages, tools]))
+    strings = list(_strings([messages, tools, template_kwargs]))
     if not any(c in t for t in strings for c in controls):
         return tokenizer(text, add_special_tokens=False)["input_ids"]  # the template writes its own BOS
     used = set().union(*strings)
     mark = next(m for m in MARKERS if m not in used and m not in template)
-    broken = _map_strings([messages, tools], lambda t: _break(t, controls, mark))
-    marked = render(tokenizer, broken[0], template, broken[1], add_generation_prompt)
+    broken = _map_strings([messages, tools, template_kwargs], lambda t: _break(t, controls, mark))
+    marked = render(tokenizer, broken[0], template, broken[1], add_generation_prompt, broken[2])
     if marked.replace(mark, "") != text:  # the template transformed the content beyond trimming its ends
         raise APIError(400, "a message contains the text of a control token, which this chat template does not "
                        "keep as plain text; remove it", "messages", "invalid_messages")
@@ -62,10 +64,12 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], template: st
 
 
 def render(tokenizer: Any, messages: list[dict[str, Any]], template: str,
-           tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True) -> str:
+           tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
+           template_kwargs: dict[str, Any] | None = None) -> str:
     try:
         return tokenizer.apply_chat_template(messages, tools=tools, chat_template=template,
-                                             add_generation_prompt=add_generation_prompt, tokenize=False)
+                                             add_generation_prompt=add_generation_prompt, tokenize=False,
+                                             **(template_kwargs or {}))
     except Exception as exc:  # a template may raise on messages it does not accept (jinja's raise_exception)
         raise APIError(400, f"the chat template refused the messages: {exc}", "messages", "invalid_messages") from None
 

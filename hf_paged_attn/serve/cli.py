@@ -49,6 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tool-call-parser", choices=("auto", "hermes", "llama3"), default="auto",
                    help="the model's tool-call format: hermes (<tool_call>{...}</tool_call>, Qwen), llama3 "
                         "({\"name\": ..., \"parameters\": ...}), or auto: read from the chat template (default)")
+    p.add_argument("--enable-rl-endpoints", action="store_true",
+                   help="the RL loop's control routes (/pause, /resume, /is_paused, /reset_prefix_cache, "
+                        "/update_weights_from_disk, /update_weights) and chat_template in requests; behind --api-key")
     p.add_argument("--max-queue", type=int, default=512,
                    help="most requests (choices) in the engine at once, running and waiting; more get HTTP 429")
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -184,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         model_name=args.served_model_name or args.model, api_key=args.api_key or None,
         max_queue=args.max_queue, chat_template=template, max_body_bytes=args.max_body_bytes,
         body_timeout=args.body_timeout or None, max_prompt_chars=args.max_prompt_chars,
-        tool_call_parser=args.tool_call_parser,
+        tool_call_parser=args.tool_call_parser, rl_endpoints=args.enable_rl_endpoints,
     )
     app = build_app(engine, tokenizer, settings)
     sock = bind(args.host, args.port)

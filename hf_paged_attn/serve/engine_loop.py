@@ -56,6 +56,8 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._subscribers: dict[str, _Subscriber] = {}  # set before add_request, read and popped by the event loop
+        self._num_holds = 0  # callers that asked the thread not to step (hold); guarded by _cond
+        self._stepping = False  # a step is in flight (guarded by _cond)
 
     # ----------------------------------------------------------------------------- event-loop side
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -91,7 +93,7 @@ class EngineLoop:
                 self._finished_early.discard(request_id)
             elif not closed:
                 self._live.add(request_id)
-                self._cond.notify()
+                self._cond.notify_all()
         if closed:  # the server began stopping meanwhile: the thread may be gone
             self._subscribers.pop(request_id, None)
             self._abort_in_engine(request_id)
@@ -137,9 +139,10 @@ class EngineLoop:
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._live or self._failed or self._stopping)
+                self._cond.wait_for(lambda: self._stopping or ((self._live or self._failed) and not self._num_holds))
                 if not self._live and not self._failed:
                     return  # stopping, and nothing left
+                self._stepping = True
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # the engine catches a failing forward itself; this is a last resort
@@ -148,6 +151,8 @@ class EngineLoop:
             else:
                 outputs = self._drop_failed(outputs)
             with self._cond:
+                self._stepping = False
+                self._cond.notify_all()  # a hold waits for the step to end
                 relabel = {}
                 for out in outputs:
                     if out.finished:
@@ -190,13 +195,37 @@ class EngineLoop:
             failed, self._failed = self._failed, set()  # this step carried out their aborts
         return [out for out in outputs if out.request_id not in failed]
 
+    # ----------------------------------------------------------------------------- holds (any thread)
+    def hold(self, timeout: float) -> bool:
+        """Keep the engine thread from stepping until ``release``; True once no step is in flight (within
+        ``timeout`` seconds; False otherwise, and the hold stands: release it). While held, the engine's
+        state (weights, prefix cache) may be changed from another thread. Requests may still be submitted;
+        they wait. Stopping the server overrides a hold."""
+        with self._cond:
+            self._num_holds += 1
+            return self._cond.wait_for(lambda: not self._stepping, timeout)
+
+    def release(self) -> None:
+        with self._cond:
+            self._num_holds = max(self._num_holds - 1, 0)
+            self._cond.notify_all()
+
+    def abort_running(self) -> int:
+        """Abort every unfinished request (their clients get an ``"abort"`` output) without closing the
+        loop to new ones. Returns how many were aborted."""
+        with self._cond:
+            ids = list(self._live)
+        for request_id in ids:
+            self._abort_in_engine(request_id)
+        return len(ids)
+
     def abort_all(self) -> int:
         """Refuse new requests and abort every unfinished one; their subscribers still get the final
         ``"abort"`` output (a stream ends with an error event). Returns how many were aborted."""
         with self._cond:
             self._closed = True
             ids = list(self._live)
-            self._cond.notify()
+            self._cond.notify_all()
         for request_id in ids:
             try:
                 self.engine.abort(request_id)

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import importlib.util
 import inspect
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +62,8 @@ class ServeSettings:
     body_timeout: float | None = DEFAULT_BODY_TIMEOUT_S  # seconds for a POST body to arrive; then 408
     max_prompt_chars: int | None = None  # characters of a prompt (chat: all messages); None: CHARS_PER_TOKEN x context
     tool_call_parser: str = "auto"  # the tool-call format: hermes, llama3, or auto (from the chat template)
+    # the RL control routes (weights, pause, prefix cache) and request chat templates; off by default
+    rl_endpoints: bool = False
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in ("auto", *FORMATS):
@@ -108,6 +111,7 @@ class Handlers:
         # thread; after it, a compile (which releases the GIL) holds up no tokenizing.
         self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="hf-paged-grammar")
         self._grammars_ready = False
+        self.wait_unpaused: Callable[[], Awaitable[None]] | None = None  # set by the app with the RL control routes
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -125,23 +129,31 @@ class Handlers:
         req, prompts, texts = await self._off_loop(self._prepare_completion, await self._body(request))
         limit = req.max_tokens if req.max_tokens is not None else 16  # an explicit null: OpenAI's default
         job = self._job(req, prompts, [limit] * len(prompts), req.logprobs, structure=req.structured(),
-                        prompt_logprobs=req.prompt_logprobs())  # fmt: skip
+                        prompt_logprobs=req.num_prompt_logprobs())  # fmt: skip
         echo = texts if req.echo else [""] * len(prompts)
         run = await self._start(job)
         meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.settings.model_name}
         if req.stream:
-            return _sse(_completion_chunks(run, meta, echo, StreamUsage.of(req)))
+            return _sse(_completion_chunks(run, meta, echo, StreamUsage.of(req), bool(req.return_tokens_as_token_ids)))
         events = await _collect(run, request)
         choices = []
+        as_ids = bool(req.return_tokens_as_token_ids)
         for choice in job.choices:
             mine = [e for e in events if e.choice is choice]
             text = "".join(e.text for e in mine)
             scored = next((e.prompt_logprobs for e in mine if e.prompt_logprobs is not None), [])
+            echoed = [_top_cut(e, req.logprobs) for e in scored] if req.echo and req.logprobs is not None else []
             logprobs = _completion_logprobs([lp for e in mine for lp in e.logprobs], len(echo[choice.prompt_index]),
-                                            scored)  # fmt: skip
-            choices.append({"index": choice.index, "text": echo[choice.prompt_index] + text,
-                            "logprobs": logprobs if req.logprobs is not None else None,
-                            "finish_reason": choice.finish_reason})
+                                            echoed, as_ids)  # fmt: skip
+            answer = {"index": choice.index, "text": echo[choice.prompt_index] + text,
+                      "logprobs": logprobs if req.logprobs is not None else None,
+                      "finish_reason": choice.finish_reason}
+            if req.prompt_logprobs is not None:
+                answer["prompt_logprobs"] = _vllm_prompt_logprobs(scored, req.prompt_logprobs)
+            if req.return_token_ids:
+                answer["prompt_token_ids"] = prompts[choice.prompt_index]
+                answer["token_ids"] = list(choice.text.ids)
+            choices.append(answer)
         return json_response({**meta, "object": "text_completion", "choices": choices, "usage": _usage(job)})
 
     async def chat(self, request: Request) -> Any:
@@ -157,12 +169,13 @@ class Handlers:
         tools = self.tool_format if req.parses_tool_calls() else None
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.settings.model_name}
         if req.stream:
-            return _sse(_chat_chunks(run, meta, StreamUsage.of(req), tools))
+            return _sse(_chat_chunks(run, meta, StreamUsage.of(req), tools, bool(req.return_tokens_as_token_ids)))
         events = await _collect(run, request)
         choices = []
         for choice in job.choices:
             mine = [e for e in events if e.choice is choice]
-            logprobs = _chat_logprobs([lp for e in mine for lp in e.logprobs]) if req.logprobs else None
+            logprobs = (_chat_logprobs([lp for e in mine for lp in e.logprobs], bool(req.return_tokens_as_token_ids))
+                        if req.logprobs else None)
             message: dict[str, Any] = {"role": "assistant", "content": "".join(e.text for e in mine)}
             finish = choice.finish_reason
             if tools is not None:
@@ -170,8 +183,12 @@ class Handlers:
                 if calls:
                     message = {"role": "assistant", "content": content, "tool_calls": calls}
                     finish = "tool_calls" if finish == "stop" else finish
-            choices.append({"index": choice.index, "logprobs": logprobs, "finish_reason": finish, "message": message})
-        return json_response({**meta, "object": "chat.completion", "choices": choices, "usage": _usage(job)})
+            answer = {"index": choice.index, "logprobs": logprobs, "finish_reason": finish, "message": message}
+            if req.return_token_ids:
+                answer["token_ids"] = list(choice.text.ids)
+            choices.append(answer)
+        ids = {"prompt_token_ids": prompt} if req.return_token_ids else {}
+        return json_response({**meta, "object": "chat.completion", "choices": choices, "usage": _usage(job), **ids})
 
     async def tokenize(self, request: Request) -> Any:
         return json_response(await self._off_loop(self._tokenize, await self._body(request)))
@@ -245,14 +262,20 @@ class Handlers:
     def _chat_prompt(
         self, req: ChatCompletionRequest | TokenizeChatRequest, generation_prompt: bool = True
     ) -> list[int]:
-        template = self.settings.chat_template or getattr(self.tokenizer, "chat_template", None)
+        own = getattr(req, "chat_template", None)
+        if own is not None and not self.settings.rl_endpoints:
+            raise APIError(400, "this server takes no chat_template from requests (a template is code the server "
+                           "runs); start it with --enable-rl-endpoints to allow them", "chat_template",
+                           "unsupported_parameter")
+        template = own or self.settings.chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise APIError(400, "this model has no chat template; start the server with --chat-template FILE",
                            "messages", "no_chat_template")
         messages = [m.for_template() for m in req.messages]
         tools = template_tools(req.tools) if req.tools else None
         # control-token text in a message stays text
-        return chat_prompt_ids(self.tokenizer, messages, template, tools, generation_prompt)
+        return chat_prompt_ids(self.tokenizer, messages, template, tools, generation_prompt,
+                               getattr(req, "chat_template_kwargs", None))
 
     def _job(self, req: Any, prompts: list[list[int]], limits: list[int], top_logprobs: int | None,
              prompt_param: str = "prompt", structure: Structure = (None, None),
@@ -314,6 +337,10 @@ class Handlers:
                 wanted["temperature"] = req.temperature
         if req.top_p is not None:
             wanted["top_p"] = req.top_p
+        if req.top_k is not None:  # vLLM's 0 and -1 are off: transformers adds no top-k processor for 0
+            wanted["top_k"] = max(req.top_k, 0)
+        if req.min_p is not None:  # vLLM's 0 is off: no min-p processor
+            wanted["min_p"] = req.min_p or None
         if req.min_tokens is not None:  # transformers' MinNewTokensLengthLogitsProcessor suppresses EOS
             wanted["min_new_tokens"] = req.min_tokens or None
         if req.logit_bias:  # logit_bias and OpenAI's penalties: read by the engine's processor plan (openai_options)
@@ -332,6 +359,8 @@ class Handlers:
         return config
 
     async def _start(self, job: Job) -> JobRun:
+        if self.wait_unpaused is not None:  # paused by /pause: the request runs after /resume
+            await self.wait_unpaused()
         num_new = len(job.prompts) * job.n
         if self.loop.num_unfinished + num_new > self.settings.max_queue:
             raise APIError(429, f"the server's queue is full ({self.settings.max_queue} requests); retry later",
@@ -353,7 +382,8 @@ class Handlers:
 
 
 # What an unset (None) generation-config field means, where it is a value a request can name.
-NEUTRAL = {"num_return_sequences": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+NEUTRAL = {"num_return_sequences": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+           "top_k": 0}
 
 
 def _setting(config: GenerationConfig, name: str) -> Any:
@@ -412,27 +442,63 @@ class StreamUsage:
         return {"usage": None} if self.final else {}
 
 
-def _completion_logprobs(entries: list[TokenInfo], shift: int, prompt: Sequence[TokenInfo] = ()) -> dict[str, Any]:
+def _completion_logprobs(entries: list[TokenInfo], shift: int, prompt: Sequence[TokenInfo] = (),
+                         as_ids: bool = False) -> dict[str, Any]:
     """The legacy ``logprobs`` object: the ``prompt``'s tokens first (echo with logprobs; the first
     one's log-probability and alternatives are null), then the generated ``entries``, their offsets
     shifted by the ``shift`` characters of the echoed prompt, or with a scored prompt by its
-    tokens' texts (equal unless a character is split across tokens, each piece shown as U+FFFD)."""
+    tokens' texts (equal unless a character is split across tokens, each piece shown as U+FFFD).
+    ``as_ids`` (vLLM's ``return_tokens_as_token_ids``): tokens named ``"token_id:<id>"``."""
     both = [*prompt, *entries]
     if prompt:  # offsets count the tokens' own texts throughout (vLLM's), so they never run backwards
         shift = prompt[-1].end
     return {
-        "tokens": [e.text for e in both],
+        "tokens": [_name(e, as_ids) for e in both],
         "token_logprobs": [e.logprob for e in both],
-        "top_logprobs": [dict(e.top) if e.top is not None else None for e in both],
+        "top_logprobs": [dict(_top(e, as_ids)) if e.top is not None else None for e in both],
         "text_offset": [e.offset for e in prompt] + [shift + e.offset for e in entries],
     }
 
 
-def _chat_logprobs(entries: list[TokenInfo]) -> dict[str, Any]:
+def _name(entry: TokenInfo, as_ids: bool) -> str:
+    return f"token_id:{entry.token_id}" if as_ids else entry.text
+
+
+def _top(entry: TokenInfo, as_ids: bool) -> list[tuple[str, float]]:
+    if not as_ids or entry.top is None:
+        return entry.top or []
+    return [(f"token_id:{i}", lp) for i, (_, lp) in zip(entry.top_ids or [], entry.top)]
+
+
+def _top_cut(entry: TokenInfo, k: int) -> TokenInfo:
+    """``entry`` with its first ``k`` alternatives (a prompt scored for more than echo's ``logprobs``)."""
+    if entry.top is None or len(entry.top) <= k:
+        return entry
+    return dataclasses.replace(entry, top=entry.top[:k], top_ids=(entry.top_ids or [])[:k])
+
+
+def _vllm_prompt_logprobs(scored: Sequence[TokenInfo], k: int) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt position, ``{token id: {logprob, rank, decoded_token}}`` for the
+    ``k`` likeliest tokens and the prompt's own token; null for the first position (nothing precedes it)."""
+    positions: list[dict[str, dict[str, Any]] | None] = []
+    for e in scored:
+        if e.logprob is None:
+            positions.append(None)
+            continue
+        entry = {str(e.token_id): {"logprob": e.logprob, "rank": e.rank, "decoded_token": e.text}}
+        for rank, (token_id, (text, lp)) in enumerate(zip(e.top_ids or [], (e.top or [])[:k]), start=1):
+            if token_id != e.token_id:
+                entry[str(token_id)] = {"logprob": lp, "rank": rank, "decoded_token": text}
+        positions.append(entry)
+    return positions
+
+
+def _chat_logprobs(entries: list[TokenInfo], as_ids: bool = False) -> dict[str, Any]:
     content = []
     for e in entries:
-        top = [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in e.top]
-        content.append({"token": e.text, "logprob": e.logprob, "bytes": list(e.text.encode()), "top_logprobs": top})
+        top = [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in _top(e, as_ids)]
+        name = _name(e, as_ids)
+        content.append({"token": name, "logprob": e.logprob, "bytes": list(name.encode()), "top_logprobs": top})
     return {"content": content, "refusal": None}
 
 
@@ -452,7 +518,7 @@ def _sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
 
 
 async def _completion_chunks(
-    run: JobRun, meta: dict[str, Any], echo: list[str], usage: StreamUsage
+    run: JobRun, meta: dict[str, Any], echo: list[str], usage: StreamUsage, as_ids: bool = False
 ) -> AsyncIterator[dict[str, Any]]:
     base = {**meta, "object": "text_completion"}
     scored = "prompt_logprobs" in run.job.engine_kwargs  # the echo waits for its log-probabilities
@@ -463,13 +529,13 @@ async def _completion_chunks(
     async for event in run.events():
         if event.prompt_logprobs is not None:  # the choice's first event: its echo, with the prompt's logprobs
             echoed = {"index": event.choice.index, "text": echo[event.choice.prompt_index],
-                      "logprobs": _completion_logprobs([], 0, event.prompt_logprobs), "finish_reason": None}
+                      "logprobs": _completion_logprobs([], 0, event.prompt_logprobs, as_ids), "finish_reason": None}
             yield {**base, "choices": [echoed], **usage.chunk(run.job)}
         if not (event.text or event.logprobs or event.finish_reason):
             continue
         prompt_chars = event.choice.prompt_chars  # with a scored prompt, offsets count its tokens' texts
         shift = prompt_chars if prompt_chars is not None else len(echo[event.choice.prompt_index])
-        logprobs = _completion_logprobs(event.logprobs, shift) if run.job.want_logprobs else None
+        logprobs = _completion_logprobs(event.logprobs, shift, (), as_ids) if run.job.want_logprobs else None
         choice = {"index": event.choice.index, "text": event.text, "logprobs": logprobs,
                   "finish_reason": event.finish_reason}
         yield {**base, "choices": [choice], **usage.chunk(run.job)}
@@ -478,7 +544,7 @@ async def _completion_chunks(
 
 
 async def _chat_chunks(
-    run: JobRun, meta: dict[str, Any], usage: StreamUsage, tools: ToolCallFormat | None = None
+    run: JobRun, meta: dict[str, Any], usage: StreamUsage, tools: ToolCallFormat | None = None, as_ids: bool = False
 ) -> AsyncIterator[dict[str, Any]]:
     """The chunks of a streamed chat; with ``tools``, tool calls as OpenAI streams them."""
     base = {**meta, "object": "chat.completion.chunk"}
@@ -501,7 +567,7 @@ async def _chat_chunks(
                 finish = "tool_calls"
             if not (deltas[0] or event.logprobs or finish):
                 continue
-        logprobs = _chat_logprobs(event.logprobs) if run.job.want_logprobs else None
+        logprobs = _chat_logprobs(event.logprobs, as_ids) if run.job.want_logprobs else None
         for i, delta in enumerate(deltas):
             choice = {"index": event.choice.index, "delta": delta, "logprobs": logprobs if i == 0 else None,
                       "finish_reason": finish if i == len(deltas) - 1 else None}

@@ -55,6 +55,9 @@ class TokenInfo:
     logprob: float | None
     offset: int  # where it starts in the choice's text (a prompt token: in the echoed prompt)
     top: list[tuple[str, float]] | None  # the k best alternatives, best first
+    token_id: int = -1
+    top_ids: list[int] | None = None  # the alternatives' ids, in ``top``'s order
+    rank: int | None = None  # a prompt token's rank under its distribution (1: the likeliest)
 
     @property
     def end(self) -> int:
@@ -165,7 +168,8 @@ def _event(choice: Choice, out: Any, decode: Callable[[list[int]], str], echo_on
     if out.finish_reason == "error":
         raise APIError(500, f"generation failed: {out.error}", code="generation_error")
     if out.finish_reason == "abort":
-        raise APIError(503, "the request was aborted (the server is shutting down)", code="aborted")
+        raise APIError(503, "the request was aborted (the server is shutting down, or was paused with mode=abort)",
+                       code="aborted")
     scored = None
     if getattr(out, "prompt_logprobs", None) is not None and not choice.prompt_scored:
         choice.prompt_scored = True
@@ -187,7 +191,8 @@ def _event(choice: Choice, out: Any, decode: Callable[[list[int]], str], echo_on
             token = decode([entry.token_id])
             if choice.offset < len(choice.text.text) or not choice.text.stopped:  # drop what the stop cut off
                 top = [(decode([t]), finite_logprob(lp)) for t, lp in entry.top]
-                event.logprobs.append(TokenInfo(token, finite_logprob(entry.logprob), choice.offset, top))
+                event.logprobs.append(TokenInfo(token, finite_logprob(entry.logprob), choice.offset, top,
+                                                entry.token_id, [t for t, _ in entry.top]))
             choice.offset += len(token)
     return event
 
@@ -198,9 +203,10 @@ def _prompt_infos(prompt_ids: list[int], scored: list[Any], decode: Callable[[li
     for token_id, entry in zip(prompt_ids, scored):
         text = decode([token_id])
         if entry is None:
-            infos.append(TokenInfo(text, None, offset, None))
+            infos.append(TokenInfo(text, None, offset, None, token_id))
         else:
             top = [(decode([t]), finite_logprob(lp)) for t, lp in entry.top]
-            infos.append(TokenInfo(text, finite_logprob(entry.logprob), offset, top))
+            infos.append(TokenInfo(text, finite_logprob(entry.logprob), offset, top, token_id,
+                                   [t for t, _ in entry.top], getattr(entry, "rank", None)))
         offset += len(text)
     return infos

@@ -25,7 +25,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidato
 from pydantic_core import PydanticCustomError
 
 from .errors import APIError, short
-from .fields import max_items, text, valid_unicode
+from .fields import json_bounds, max_items, text, valid_unicode
 from .limits import RequestLimits
 from .structured import StructuredFields
 from .tools import MAX_ID_CHARS, MAX_TOOLS, MessageToolCall, ToolChoice, Tools, check_tools, template_tools
@@ -47,6 +47,16 @@ MAX_CONTENT_PARTS = 256
 MAX_MODEL_CHARS = 4096  # a served name may be a local path
 MAX_NAME_CHARS = 256  # ``user``, a message's ``name``
 MAX_TOKENS = (1 << 31) - 1  # the model's context bounds it further
+# prompt_logprobs' alternatives per position: TRL's teacher scoring asks for 100 by default. The answer holds
+# positions x this many entries, so it is bounded well below a vocabulary.
+MAX_PROMPT_LOGPROBS = 256
+MAX_TEMPLATE_CHARS = 1 << 16  # a chat_template sent with the request
+# chat_template_kwargs that would change what the server asked the template for, not the template's own options
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
 INT64 = 1 << 63  # OpenAI's (and vLLM's) range of ``seed``: a signed 64-bit integer
 
 
@@ -168,6 +178,13 @@ class _Sampling(StructuredFields):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, **_FLOAT)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, **_FLOAT)
     repetition_penalty: float | None = Field(default=None, gt=0.0, **_FLOAT)
+    # vLLM's sampling fields: top_k (0 or -1: off), min_p (0: off), as transformers' TopK/MinP processors.
+    top_k: int | None = Field(default=None, ge=-1, le=MAX_TOKEN_ID)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0, **_FLOAT)
+    # vLLM's: each choice's generated token_ids and its prompt's prompt_token_ids (chat: the response's).
+    return_token_ids: bool | None = None
+    # vLLM's: tokens in logprobs named "token_id:<id>" rather than decoded (TRL reads the ids back from them).
+    return_tokens_as_token_ids: bool | None = None
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -175,6 +192,9 @@ class _Sampling(StructuredFields):
     def unsupported_options(self) -> list[str]:
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
+        if self.stream and self.return_token_ids:
+            raise APIError(400, "return_token_ids is not supported with stream (ask for the whole answer)",
+                           "return_token_ids", "unsupported_parameter")
         return []
 
     def check_fields(self) -> None:
@@ -200,6 +220,9 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS, description=(
         "the k best alternatives of each token; with echo, of each prompt token too (the first has null)"))
     echo: bool = False
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_PROMPT_LOGPROBS, description=(
+        "vLLM's: each choice's prompt_logprobs, per prompt position {token_id: {logprob, rank, decoded_token}} for "
+        "the k likeliest tokens and the prompt's own (the first position null), under the model's raw distribution"))
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
     suffix: _text(MAX_NAME_CHARS) | None = None
 
@@ -209,6 +232,9 @@ class CompletionRequest(_Sampling):
             bad.append("best_of")
         if self.suffix:
             bad.append("suffix")
+        if self.stream and self.prompt_logprobs is not None:
+            raise APIError(400, "prompt_logprobs is not supported with stream (ask for the whole answer)",
+                           "prompt_logprobs", "unsupported_parameter")
         return bad
 
     def check_fields(self) -> None:
@@ -220,9 +246,11 @@ class CompletionRequest(_Sampling):
             raise APIError(400, f"max_tokens=0 generates nothing for {self.structured()[1]} to constrain",
                            "max_tokens", "invalid_value")
 
-    def prompt_logprobs(self) -> int | None:
-        """How many alternatives each prompt token's log-probability comes with (echo with logprobs)."""
-        return self.logprobs if self.echo else None
+    def num_prompt_logprobs(self) -> int | None:
+        """How many alternatives each prompt token's log-probability comes with (echo with logprobs,
+        prompt_logprobs: the larger), or None when the prompt is not scored."""
+        wanted = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
+        return max(wanted) if wanted else None
 
     def prompts(self) -> list[str] | list[list[int]]:
         """The prompt as a list of prompts (strings or token-id lists)."""
@@ -296,6 +324,17 @@ class ChatMessage(BaseModel):
         return len(self.text()) + len(self.name or "") + calls
 
 
+def _template_kwargs(value: dict[str, Any]) -> dict[str, Any]:
+    """``chat_template_kwargs``: identifiers, none that would change what the server asks of the template,
+    values JSON of bounded size."""
+    for key in value:
+        if not key.isidentifier() or key in RESERVED_TEMPLATE_KWARGS:
+            raise PydanticCustomError("template_kwargs", "{key} cannot be a chat_template_kwargs key (the server "
+                                      "sets it, or it is not a name)", {"key": short(key)})
+    json_bounds(value, "chat_template_kwargs")
+    return value
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
@@ -308,6 +347,10 @@ class ChatCompletionRequest(_Sampling):
     # Accepted only when absent or false: we have no storage.
     store: bool | None = None
     metadata: Annotated[dict[_text(64), _text(512)], AfterValidator(_max_items(16))] | None = None  # OpenAI's bounds
+    # vLLM's: a Jinja template for this request (only where the server trusts them: --enable-rl-endpoints), and
+    # extra variables for the template (``enable_thinking``, ...)
+    chat_template: _text(MAX_TEMPLATE_CHARS, min_length=1) | None = None
+    chat_template_kwargs: Annotated[dict[_text(64), Any], AfterValidator(_template_kwargs)] | None = None
 
     def unsupported_options(self) -> list[str]:
         bad = super().unsupported_options()
