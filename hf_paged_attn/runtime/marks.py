@@ -144,12 +144,6 @@ def marks_for(model: nn.Module) -> ModelMarks:
         return found
 
 
-def is_marked(model: nn.Module) -> bool:
-    """Whether any of the runtime's marks is on ``model`` now."""
-    found = _MARKS.get(model)
-    return found is not None and any(mark.installed for mark in found.marks.values())
-
-
 def tensor_index(idx: int, device: torch.device) -> torch.Tensor:
     """A 0-dim int64 tensor that is never an inference tensor, whatever mode the caller is in: every later
     read of the model's buffers outside ``inference_mode`` (version counters, autograd) would fail on one."""
