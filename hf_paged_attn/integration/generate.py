@@ -131,8 +131,11 @@ def paged_generate(
         if streamer is not None and out.new_ids:
             streamer.put(torch.tensor(out.new_ids))
 
+    engines: list[ContinuousBatchingEngine] = []
+
     def run() -> list[RequestOutput]:
         engine = ContinuousBatchingEngine(model, paged_config, config, num_blocks=paged_config.num_blocks or exact_fit)
+        engines.append(engine)
         ids = engine.add_all([dict(input_ids=p, padding=pad, **common) for p, pad in zip(prompts, paddings)])
         if lockstep is not None:
             live = engine.intake.live
@@ -143,8 +146,13 @@ def paged_generate(
 
     # Tensor-parallel model: rank 0 runs the engine, the other ranks its forwards; all get the outputs.
     draft_attention = paged_attention(assistant) if assistant is not None else contextlib.nullcontext()
-    with generation_mode(model), draft_attention:
-        ordered = on_driver(model, run)
+    # The engine closes after: closing it inside would end the other ranks' loop before the outputs reach them.
+    try:
+        with generation_mode(model), draft_attention:
+            ordered = on_driver(model, run)
+    finally:
+        for engine in engines:
+            engine.shutdown()  # the model is left as it was found (``runtime/marks.py``)
     if streamer is not None:
         if not is_driver(model):  # the other ranks' streamers get the prompt and the output at the end
             streamer.put(input_ids.cpu())

@@ -5,12 +5,16 @@ and transformers' continuous-batching API (``generate_batch``, ``init_continuous
 ``continuous_batching_context_manager``, ``destroy_cached_continuous_batching_manager``) of models
 whose attention is ``"paged"`` to the continuous-batching engine (every other model keeps
 transformers' own methods untouched), and gives the runtime the tensor-parallel launcher for models
-sharded over ranks.
+sharded over ranks and the process-wide patches its CPU compile needs (``COMPILE_PATCHES``), which are
+installed at the first compile, each once, with its undo (``undo_patch``).
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
+import threading
+from collections.abc import Callable
 
 from transformers import AttentionInterface, GenerationMixin
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -19,6 +23,7 @@ from .. import transformers_private as hf
 from ..attention.function import PagedWindow, paged_attention_forward
 from ..parallel import claim as tensor_parallel_launcher
 from ..runtime.executor import LAUNCHERS
+from ..runtime.patches import COMPILE_PATCHES
 
 NAME = "paged"  # never "paged|...": transformers reserves that prefix for its own engine
 
@@ -42,6 +47,8 @@ def register() -> str:
     AttentionMaskInterface.register(NAME, paged_mask)
     if tensor_parallel_launcher not in LAUNCHERS:
         LAUNCHERS.append(tensor_parallel_launcher)
+    if install_compile_patches not in COMPILE_PATCHES:
+        COMPILE_PATCHES.append(install_compile_patches)
     for name, target in ROUTES.items():
         original = getattr(GenerationMixin, name, None)
         if original is not None and not getattr(original, "_hf_paged_attn", False):
@@ -79,3 +86,84 @@ def _routed(original, target: str):
 
     method._hf_paged_attn = True
     return method
+
+
+# ----------------------------------------------------------------------------- the compile's process-wide patches
+# name -> its undo, for each patch installed (``patch``); ``undo_patch`` restores what was there.
+_UNDO: dict[str, Callable[[], None]] = {}
+_PATCHING = threading.Lock()
+
+
+def _fx_trace_lock() -> Callable[[], None]:
+    """torch.fx's ``Tracer.trace`` (every subclass calls it) holding the compile's lock
+    (``compiled.locked_trace``: the tracer patches ``torch.nn.Module`` for the whole process while it runs)."""
+    import torch
+
+    from ..runtime.compiled import locked_trace
+
+    tracer = torch.fx.Tracer
+    original = tracer.__dict__["trace"]
+    tracer.trace = locked_trace(original)  # type: ignore[method-assign]
+    patched = tracer.__dict__["trace"]
+
+    def undo() -> None:
+        if tracer.__dict__.get("trace") is patched:
+            tracer.trace = original  # type: ignore[method-assign]
+
+    return undo
+
+
+def _recompile_limit() -> Callable[[], None]:
+    """Dynamo's graphs per code object at least ``compiled.RECOMPILE_LIMIT``: every model compiles one function."""
+    import torch._dynamo
+
+    from ..runtime.compiled import RECOMPILE_LIMIT
+
+    config = torch._dynamo.config
+    original = config.recompile_limit
+    raised = config.recompile_limit = max(original, RECOMPILE_LIMIT)
+
+    def undo() -> None:
+        if config.recompile_limit == raised:
+            config.recompile_limit = original
+
+    return undo
+
+
+def _wait_at_exit() -> Callable[[], None]:
+    """At exit, wait for a background compile to end (``compiled.wait_for_compiles_at_exit``)."""
+    from ..runtime.compiled import wait_for_compiles_at_exit
+
+    atexit.register(wait_for_compiles_at_exit)
+    return functools.partial(atexit.unregister, wait_for_compiles_at_exit)
+
+
+PATCHES: dict[str, Callable[[], Callable[[], None]]] = {
+    "fx_trace_lock": _fx_trace_lock,
+    "recompile_limit": _recompile_limit,
+    "wait_at_exit": _wait_at_exit,
+}
+
+
+def patch(name: str) -> None:
+    """Install the process-wide patch ``name`` of ``PATCHES`` unless it is installed."""
+    with _PATCHING:
+        if name not in _UNDO:
+            _UNDO[name] = PATCHES[name]()
+
+
+def undo_patch(name: str) -> bool:
+    """Undo the patch ``name`` (what it replaced is back, unless someone replaced it since); False if it
+    was not installed."""
+    with _PATCHING:
+        undo = _UNDO.pop(name, None)
+    if undo is None:
+        return False
+    undo()
+    return True
+
+
+def install_compile_patches() -> None:
+    """Every patch a compiled forward needs (``runtime.patches.COMPILE_PATCHES`` calls it before a compile)."""
+    for name in PATCHES:
+        patch(name)

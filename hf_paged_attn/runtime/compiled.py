@@ -30,7 +30,7 @@ Eager steps and the background compile exclude each other only where they must: 
 (AOT autograd traces the graph with it) patches ``torch.nn.Module.__call__`` and ``__getattr__``
 for the whole process while it traces, so an eager forward in another thread would run through the
 tracer (``NameError: module is not installed as a submodule``: a soak failed a step's requests that
-way) or into the trace. ``guard_fx_tracing`` makes every trace take ``FX_TRACE_LOCK``, which every
+way) or into the trace. ``locked_trace`` makes every trace take ``FX_TRACE_LOCK``, which every
 eager step of a ``CompiledExecutor`` holds: a step waits while a trace runs (seconds, once), and
 the rest of the compile (lowering, C++ builds) runs beside the steps.
 
@@ -45,7 +45,6 @@ every step through version counters, ``CompiledModel.stale``), the model runs ea
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import contextvars
 import functools
@@ -67,6 +66,8 @@ from ..attention.function import COMPILED, COMPILED_STEP, LAYER_INDEX, CompiledS
 from ..attention.step import StepMetadata
 from ..core.layers import LayerKinds
 from . import linear_groups, packed_linear, sampled_rows
+from .marks import ModelMarks, marks_for, tensor_index
+from .patches import install_compile_patches
 from .weights import fingerprint
 
 if TYPE_CHECKING:
@@ -96,7 +97,7 @@ def inductor_options() -> dict[str, object]:
 
 INDUCTOR_OPTIONS: dict[str, object] = inductor_options()
 WARMUP_ROWS = 16  # the compile's example step (oneDNN packs the weights for about this many rows)
-RECOMPILE_LIMIT = 64  # dynamo's graphs per code object: every model compiles the same function
+RECOMPILE_LIMIT = 64  # dynamo's graphs per code object (at least): every model compiles the same function
 SKIP_GUARDS = os.environ.get("HF_PAGED_ATTN_SKIP_GUARDS", "1") != "0"
 
 
@@ -143,11 +144,11 @@ EXIT_WAIT_S = 120.0  # how long the process waits at exit for a compile still ru
 _COMPILING: set[threading.Thread] = set()  # compile threads still running
 
 
-def _wait_for_compiles_at_exit() -> None:
+def wait_for_compiles_at_exit() -> None:
     """Let a background compile end before the interpreter shuts down: torch's C++ state torn down
     under a compiling thread aborts the process ("terminate called without an active exception",
     exit status 134: a short script that ended while its model compiled did that). A compile that
-    has not begun its torch.fx trace stops there (``guard_fx_tracing``); one past it cannot be
+    has not begun its torch.fx trace stops there (``locked_trace``); one past it cannot be
     interrupted and runs to its end (seconds to a minute), unless inductor fails first because the
     interpreter refuses new worker futures. Past ``EXIT_WAIT_S`` the process exits regardless."""
     global _EXITING
@@ -163,26 +164,20 @@ def _wait_for_compiles_at_exit() -> None:
 _EXITING = False  # the interpreter is exiting: a compile that fails now was abandoned, not broken
 
 
-atexit.register(_wait_for_compiles_at_exit)
-
-
-def guard_fx_tracing() -> None:
-    """Make ``torch.fx.Tracer.trace`` (every subclass calls it) hold ``FX_TRACE_LOCK``: its patches
-    of ``torch.nn.Module`` are process-wide (see the module's docstring). Idempotent."""
-    tracer = torch.fx.Tracer
-    if getattr(tracer.trace, "holds_fx_trace_lock", False):
-        return
-    trace = tracer.trace
+def locked_trace(trace: Callable[..., torch.fx.Graph]) -> Callable[..., torch.fx.Graph]:
+    """``torch.fx.Tracer.trace`` holding ``FX_TRACE_LOCK``: its patches of ``torch.nn.Module`` are
+    process-wide (see the module's docstring). ``integration/register.py`` puts it in place of the
+    tracer's own, with the undo (``RECOMPILE_LIMIT`` and ``wait_for_compiles_at_exit`` are its too)."""
 
     @functools.wraps(trace)
-    def locked_trace(self: torch.fx.Tracer, *args: object, **kwargs: object) -> torch.fx.Graph:
+    def traced(self: torch.fx.Tracer, *args: object, **kwargs: object) -> torch.fx.Graph:
         if _EXITING and threading.current_thread() in _COMPILING:  # the process is exiting: stop the compile here
             raise RuntimeError("the interpreter is exiting")
         with FX_TRACE_LOCK:
             return trace(self, *args, **kwargs)
 
-    locked_trace.holds_fx_trace_lock = True  # type: ignore[attr-defined]
-    tracer.trace = locked_trace  # type: ignore[method-assign]
+    traced.holds_fx_trace_lock = True  # type: ignore[attr-defined]
+    return traced
 
 
 class StepCache(Cache):
@@ -225,6 +220,7 @@ class CompiledModel:
     lock: threading.Lock = field(default_factory=threading.Lock)
     pack: bool = False  # the graph runs the bf16 linears on oneDNN-packed weights (``packed_linear``)
     model: weakref.ReferenceType[torch.nn.Module] | None = None
+    marks: ModelMarks = field(default_factory=ModelMarks)  # what the graph needs on the model (``marks.py``)
 
     def start(self, device: torch.device, thread_counts: Sequence[int] = ()) -> None:
         """Compile in the background, once (later calls do nothing), one graph at the largest of
@@ -234,17 +230,18 @@ class CompiledModel:
                 return
             args = (device, tuple(thread_counts) or (torch.get_num_threads(),))
             self.weights = fingerprint(self.tensors)
-            guard_fx_tracing()  # before the thread can trace
+            install_compile_patches()  # before the thread can trace
+            release = self.marks.open()  # the trace reads the marks: on the model until the compile ends
             # In the caller's context: torch's inductor and dynamo settings (``config.patch``, or assigned) are
             # per thread (context variables), and a new thread would compile with the defaults, whatever the
             # caller set (a test's ``force_disable_caches`` was ignored: a cached graph served it instead).
             context = contextvars.copy_context()
-            self.thread = threading.Thread(target=context.run, args=(self._compile, *args),
+            self.thread = threading.Thread(target=context.run, args=(self._compile, release, *args),
                                            name="hf_paged_attn-compile", daemon=True)  # fmt: skip
             _COMPILING.add(self.thread)
             self.thread.start()
 
-    def _compile(self, device: torch.device, thread_counts: tuple[int, ...]) -> None:
+    def _compile(self, release: Callable[[], None], device: torch.device, thread_counts: tuple[int, ...]) -> None:
         # A new thread takes torch's process-wide count at its first query, which an engine step may
         # have set to 1 for a moment: query first, then set (else the set could be undone by the init).
         torch.get_num_threads()
@@ -261,7 +258,7 @@ class CompiledModel:
                 positions, indices = ids.clone(), torch.arange(2, device=device)
             self.threads = max(thread_counts)
             torch.set_num_threads(self.threads)
-            self.regions = keep_stampable(self.regions)
+            self.regions = keep_stampable(self.regions, self.marks)
             breaks = _graph_breaks()
             refused = None
             try:
@@ -275,7 +272,7 @@ class CompiledModel:
             if refused is not None:  # a layer the regions do not take: trace the layers whole
                 logger.warning("hf_paged_attn: compiling with the decoder layers as regions failed (%s); compiling "
                                "without", refused)  # fmt: skip
-                unmark_layer_regions(self.regions)
+                unmark_layer_regions(self.regions, self.marks)
                 self.regions = []
                 run_graph(self, CompiledStep(None, None, self.modules, 0), ids, positions, indices)
         except Exception as exc:
@@ -290,6 +287,7 @@ class CompiledModel:
             self.num_compiles += 1
             logger.warning("hf_paged_attn: compiled the model's forward in %.1f s", self.compile_seconds)
         finally:
+            release()
             self.ready.set()
             _COMPILING.discard(threading.current_thread())
 
@@ -362,18 +360,23 @@ def _region_call(layer: torch.nn.Module, *args: object, **kwargs: object) -> obj
 
 
 def mark_layer_regions(
-    model: torch.nn.Module, modules: dict[int, torch.nn.Module], static: dict[str, object], route: Callable
+    model: torch.nn.Module,
+    modules: dict[int, torch.nn.Module],
+    static: dict[str, object],
+    route: Callable,
+    marks: ModelMarks,
 ) -> list[torch.nn.Module]:
     """Route ``model``'s decoder layers (the modules that hold an attention module of ``modules`` as a direct
-    child) through ``_region_call``; their bodies run under ``route()``. Returns the layers."""
+    child) through ``_region_call``; their bodies run under ``route()``. The forwards are ``marks`` (on the
+    model only while they are open). Returns the layers."""
     attention = {id(module) for module in modules.values()}
     layers = []
     for layer in model.modules():
         if "forward" in layer.__dict__ or not any(id(child) in attention for child in layer.children()):
             continue  # not a decoder layer, or one with someone else's forward (accelerate's hooks)
-        layer.__dict__[_STATIC] = static
-        layer.__dict__[_ROUTE] = route
-        layer.forward = functools.partial(_region_call, layer)
+        marks.put(layer, _STATIC, static)
+        marks.put(layer, _ROUTE, route)
+        marks.put(layer, "forward", functools.partial(_region_call, layer))
         layers.append(layer)
     return layers
 
@@ -383,21 +386,20 @@ def _graph_breaks() -> int:
     return sum(torch._dynamo.utils.counters["graph_break"].values())
 
 
-def keep_stampable(layers: list[torch.nn.Module]) -> list[torch.nn.Module]:
+def keep_stampable(layers: list[torch.nn.Module], marks: ModelMarks) -> list[torch.nn.Module]:
     """The regions dynamo can stamp out; the others get their forwards back. A layer holding a module with
     a forward of its own (``fp32_matmuls``' float32 linears, accelerate's hooks) is not one: dynamo guards
     on that callable's identity, which differs per layer, so it would trace every layer and pay for the
     regions besides (the 30M model in bf16 on a CPU without bf16 matmuls: ready 14.1 s against 11.4)."""
     keep = [layer for layer in layers if not any("forward" in m.__dict__ for m in layer.modules() if m is not layer)]
-    unmark_layer_regions([layer for layer in layers if all(layer is not k for k in keep)])
+    unmark_layer_regions([layer for layer in layers if all(layer is not k for k in keep)], marks)
     return keep
 
 
-def unmark_layer_regions(layers: list[torch.nn.Module]) -> None:
-    """Give ``layers`` their own forwards back (``mark_layer_regions`` undone)."""
+def unmark_layer_regions(layers: list[torch.nn.Module], marks: ModelMarks) -> None:
+    """Give ``layers`` their own forwards back for good (``mark_layer_regions`` undone and forgotten)."""
     for layer in layers:
-        for name in ("forward", _STATIC, _ROUTE):
-            layer.__dict__.pop(name, None)
+        marks.forget(layer, ("forward", _STATIC, _ROUTE))
 
 
 def compiled_model(model: torch.nn.Module, windows: list[int | None]) -> CompiledModel | None:
@@ -408,7 +410,7 @@ def compiled_model(model: torch.nn.Module, windows: list[int | None]) -> Compile
     modules = attention_modules(model)
     if modules is None or sorted(modules) != list(range(len(windows))):
         return None
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    install_compile_patches()
     model_ref = weakref.ref(model)  # the compiled function must not keep the model alive
     cache = StepCache(windows)
     pack = packed_linear.wanted(model, bool(INDUCTOR_OPTIONS.get("freezing")))
@@ -420,18 +422,25 @@ def compiled_model(model: torch.nn.Module, windows: list[int | None]) -> Compile
                               paged_forward=COMPILED, logits_to_keep=logits_indices)  # fmt: skip
         return out.logits[0]
 
-    for idx, module in modules.items():  # the op's layer index as a graph input (``function.LAYER_INDEX``)
-        if getattr(module, LAYER_INDEX, None) is None:
-            # never an inference tensor, whatever mode the caller is in: every later read of the model's
-            # buffers outside ``inference_mode`` (version counters, autograd) would fail on one
-            with torch.inference_mode(False):
-                index = torch.tensor(idx, device=_device(module))
-            module.register_buffer(LAYER_INDEX, index, persistent=False)
-    regions = mark_layer_regions(model, modules, {"cache": cache, "paged_forward": COMPILED}, route) if REGIONS else []
+    # The op's layer index as a graph input (``function.LAYER_INDEX``), a buffer while the marks are open:
+    # the graph's callers (engines, the compile) hold them open.
+    marks = marks_for(model)
+    for idx, module in modules.items():
+        if marks.get(module, LAYER_INDEX) is None and getattr(module, LAYER_INDEX, None) is None:
+            marks.put(module, LAYER_INDEX, tensor_index(idx, _device(module)), buffer=True)
+    static = {"cache": cache, "paged_forward": COMPILED}
+    regions = mark_layer_regions(model, modules, static, route, marks) if REGIONS else []
+    # The index buffers are listed whether or not the marks are open now: the graph reads them too.
     tensors = [*model.parameters(), *model.buffers()]
+    tensors += [t for m in modules.values() if (t := marks.get(m, LAYER_INDEX)) is not None and _absent(t, tensors)]
     graph = torch.compile(forward, backend=_backend)
-    found = _MODELS[model] = CompiledModel(graph, modules, tensors, pack=pack, model=model_ref, regions=regions)
+    found = _MODELS[model] = CompiledModel(graph, modules, tensors, pack=pack, model=model_ref, regions=regions,
+                                           marks=marks)  # fmt: skip
     return found
+
+
+def _absent(tensor: torch.Tensor, tensors: list[torch.Tensor]) -> bool:
+    return all(t is not tensor for t in tensors)
 
 
 @torch.inference_mode()

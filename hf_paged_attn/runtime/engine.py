@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
@@ -26,6 +27,7 @@ from .beam import BeamGroup
 from .config import PagedConfig
 from .executor import Launcher, choose_launcher
 from .lockstep import Lockstep
+from .marks import marks_for
 from .placement import input_device, layer_kinds
 from .sampling import make_sampling_params, resolve_max_new_tokens
 from .speculative.speculator import build_speculator
@@ -55,6 +57,23 @@ class ContinuousBatchingEngine(BatchAPI):
         """``num_blocks`` (or ``config.num_blocks``): the memory of that many blocks in every layer."""
         check_paged_model(model, hf.attn_implementation(model))
         self.model = model
+        # What the engine puts on the model (``marks.py``) is there from now until ``shutdown`` (or until the
+        # engine is collected): the launcher and executor put theirs through the model's marks.
+        self._release_marks = weakref.finalize(self, marks_for(model).open())
+        try:
+            self._start(model, config, generation_config, num_blocks, launcher)
+        except BaseException:
+            self._release_marks()
+            raise
+
+    def _start(
+        self,
+        model: torch.nn.Module,
+        config: PagedConfig | None,
+        generation_config: GenerationConfig | None,
+        num_blocks: int | None,
+        launcher: Launcher | None,
+    ) -> None:
         self.config = config = (config or PagedConfig()).for_model(model)  # the concrete kernel and block size
         self.generation_config = generation_config or model.generation_config
         self.device = input_device(model)  # not model.device: with accelerate's offload that may be "meta"
@@ -254,8 +273,14 @@ class ContinuousBatchingEngine(BatchAPI):
         return self.counters.snapshot(self.scheduler, self.kv, self.intake.num_incoming)
 
     def shutdown(self) -> None:
-        """Release what the executor holds (a tensor-parallel engine ends the other ranks' loop). Idempotent."""
-        self.executor.close()
+        """Release what the executor holds (a tensor-parallel engine ends the other ranks' loop) and take the
+        engine's marks off the model (and its draft model): their modules, ``forward``s, buffers and
+        parameters are as they were before the engine. Idempotent."""
+        try:
+            self.executor.close()
+            self.speculator.close()
+        finally:
+            self._release_marks()
 
     def __enter__(self) -> ContinuousBatchingEngine:
         return self

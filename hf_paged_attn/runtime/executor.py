@@ -31,6 +31,7 @@ from ..core.layers import LayerKinds
 from ..kernels.base import AttentionBackend
 from . import fp32_matmuls
 from .config import PagedConfig
+from .marks import marks_for
 from .memory import fitting_blocks
 from .placement import layer_devices
 
@@ -112,10 +113,11 @@ class LocalLauncher:
     def cache_size(
         self, model: torch.nn.Module, config: PagedConfig, layers: LayerKinds, num_blocks: int | None
     ) -> CacheSize:
+        marks = marks_for(model)  # the engine's: on the model while it runs
         if config.fp32_matmuls:  # before sizing the cache from free memory: the copies take some
-            fp32_matmuls.install(model)
+            fp32_matmuls.install(model, marks)
         else:  # an earlier engine's copies go (their memory too)
-            fp32_matmuls.uninstall(model)
+            fp32_matmuls.uninstall(model, marks)
         num_blocks = num_blocks or fitting_blocks(model, config, layers)
         # Graphs' padding rows write a scratch page that no request ever holds.
         return CacheSize(num_blocks, num_blocks + int(self._graphs(model, config)))

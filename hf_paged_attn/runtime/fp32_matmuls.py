@@ -22,10 +22,11 @@ and a forward that uses it, taken only where it cannot change what the model mea
   (``compiled.CompiledModel.stale``); a compile of your own under ``no_grad`` takes them too.
 
 Anything else runs the layer's own forward, and so does every layer that is not a plain ``nn.Linear``
-(a subclass with its own forward, a quantized tensor subclass). The copies stay on the model once an
-engine made them (later engines reuse them; ``PagedConfig(fp32_matmuls=False)`` or ``uninstall``
-removes them) and cost 4 bytes per weight, 3x a bf16 model's weights in all; they are made before the
-cache is sized from free memory. ``PagedConfig(fp32_matmuls=)`` switches it (``None``: on where the CPU
+(a subclass with its own forward, a quantized tensor subclass). An engine's copies are its marks
+(``marks.py``): on the model only while an engine (or its background compile) runs, kept off it between
+engines and put back, the same copies, by the next one (``PagedConfig(fp32_matmuls=False)`` or
+``uninstall`` forgets them). They cost 4 bytes per weight, 3x a bf16 model's weights in all, and are made
+before the cache is sized from free memory. ``PagedConfig(fp32_matmuls=)`` switches it (``None``: on where the CPU
 lacks the hardware, which ``hardware_lacks`` says).
 """
 
@@ -38,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .marks import ModelMarks
 from .weights import fingerprint
 
 HALF = (torch.bfloat16, torch.float16)
@@ -99,25 +101,35 @@ def plain_linear(layer: nn.Module, dtypes: tuple[torch.dtype, ...] = HALF) -> bo
             and all(type(t) in (torch.Tensor, nn.Parameter) for t in tensors))  # fmt: skip
 
 
-def install(model: nn.Module) -> int:
+def install(model: nn.Module, marks: ModelMarks | None = None) -> int:
     """Give every plain half-precision CPU ``nn.Linear`` of ``model`` its float32 copies and forward
-    (idempotent); returns how many layers have them."""
+    (idempotent); returns how many layers have them. With ``marks`` (an engine's: ``marks.py``) they are
+    recorded there, on the model only while the marks are open, and a layer recorded before keeps its copies."""
     count = 0
     for layer in model.modules():
-        if ATTR not in layer.__dict__:
+        if ATTR not in layer.__dict__ and (marks is None or marks.get(layer, ATTR) is None):
             if not plain_linear(layer) or "forward" in layer.__dict__:  # "forward": someone else's (accelerate's hooks)
                 continue
-            setattr(layer, ATTR, Copies.of(layer))
             # an instance attribute (other models keep theirs); a partial, unlike a bound method, pickles
-            layer.forward = functools.partial(_forward, layer)
+            forward = functools.partial(_forward, layer)
+            if marks is None:
+                setattr(layer, ATTR, Copies.of(layer))
+                layer.forward = forward
+            else:
+                marks.put(layer, ATTR, Copies.of(layer))
+                marks.put(layer, "forward", forward)
         count += 1
     return count
 
 
-def uninstall(model: nn.Module) -> int:
+def uninstall(model: nn.Module, marks: ModelMarks | None = None) -> int:
     """Remove the float32 copies and forwards ``install`` gave ``model``'s layers (their memory goes
-    back); returns how many layers had them."""
+    back; ``marks``: forget those recorded there too); returns how many layers had them."""
     count = 0
+    if marks is not None:
+        for layer in marks.modules_with(ATTR):
+            marks.forget(layer, (ATTR, "forward"))
+            count += 1
     for layer in model.modules():
         if ATTR in layer.__dict__:
             del layer.__dict__[ATTR]

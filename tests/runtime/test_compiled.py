@@ -18,6 +18,7 @@ import hf_paged_attn  # noqa: F401  (registers "paged")
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
 from hf_paged_attn.attention import function
 from hf_paged_attn.attention.function import LAYER_INDEX
+from hf_paged_attn.integration.register import patch
 from hf_paged_attn.runtime import compiled as compiled_module
 from hf_paged_attn.runtime.compiled import CompiledExecutor
 from hf_paged_attn.runtime.config import COMPILE_ENV
@@ -248,12 +249,13 @@ def test_eager_steps_wait_for_an_fx_trace_in_another_thread(llama_dir, monkeypat
     """torch.fx's tracer patches ``torch.nn.Module.__call__`` for the whole process while it traces
     (the background compile traces with it): an eager step in another thread then went through the
     tracer and failed its requests (``NameError: module is not installed as a submodule``, found by
-    the soak). With ``guard_fx_tracing`` the step waits for the trace and is correct."""
+    the soak). With the tracer holding the compile's lock (``register.py``'s ``fx_trace_lock`` patch,
+``compiled.locked_trace``) the step waits for the trace and is correct."""
     import threading
 
     ref, paged = load_pair(llama_dir)
     monkeypatch.setattr(compiled_module.CompiledModel, "start", lambda self, *args: None)  # no real compile
-    compiled_module.guard_fx_tracing()
+    patch("fx_trace_lock")
     tracing, release = threading.Event(), threading.Event()
 
     class Traced(torch.nn.Module):  # a module whose trace lasts until the engine has tried a step

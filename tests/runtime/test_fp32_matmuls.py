@@ -160,7 +160,8 @@ def test_engine_greedy_equals_sdpa_in_bf16(llama_dir) -> None:
     with ContinuousBatchingEngine(paged, config) as engine:
         assert engine.config.fp32_matmuls is True
         got = [o.output_ids for o in engine.generate(prompts, max_new_tokens=10)]
-    assert fp32_matmuls.installed(paged) > 0
+        assert fp32_matmuls.installed(paged) > 0
+    assert fp32_matmuls.installed(paged) == 0  # the engine's marks: off the model once it is closed
     assert not compare_greedy(ref, prompts, expected, got)
 
 
@@ -198,5 +199,6 @@ def test_a_draft_model_follows_its_target(llama_dir) -> None:
     config = plain.replace(speculative=SpeculativeConfig(draft_model=draft, num_speculative_tokens=2, adaptive=False))
     with ContinuousBatchingEngine(target, config) as engine:
         got = [o.output_ids for o in engine.generate(prompts, max_new_tokens=8)]
-    assert fp32_matmuls.installed(draft) == fp32_matmuls.installed(target) > 0
+        assert fp32_matmuls.installed(draft) == fp32_matmuls.installed(target) > 0
+    assert fp32_matmuls.installed(draft) == fp32_matmuls.installed(target) == 0  # both left as found
     assert got == expected

@@ -21,6 +21,7 @@ Draft K/V only ever changes proposals, never the output: the target verifies eve
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -36,6 +37,7 @@ from ...core.scheduler import ScheduledRequest
 from ...kernels.base import AttentionBackend
 from .. import fp32_matmuls
 from ..executor import LocalExecutor
+from ..marks import marks_for
 from ..placement import input_device
 from ..sampling import draw
 
@@ -116,9 +118,15 @@ class DraftProposer:
         # One table for all the draft's layers (the target's): a sliding draft layer masks by its window.
         self.layers = LayerKinds.from_config(model.config, share_pages=False)
         self.cache = PagedAttentionCache(model.config, num_pages, block_size, self.layers)
+        # The draft's marks are on it while the engine runs (``close``), as the target's are.
+        self._release_marks = weakref.finalize(self, marks_for(model).open())
         if fp32_matmuls.installed(target):  # the target computes its linears in float32: so does its draft
-            fp32_matmuls.install(model)
+            fp32_matmuls.install(model, marks_for(model))
         self.executor = LocalExecutor(model, self.cache, backend)
+
+    def close(self) -> None:
+        """Take the draft's marks (its float32 linears) off it. Idempotent."""
+        self._release_marks()
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """The target's copy-on-write copies, done on the draft's pages too."""

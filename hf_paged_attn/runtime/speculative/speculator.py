@@ -101,6 +101,11 @@ class Speculator:
         self.shared = {method: Acceptance() for method in METHODS}  # every request's verifications, per method
         self._warned: set[str] = set()
 
+    def close(self) -> None:
+        """Take what the draft model got from the engine off it (``DraftProposer.close``). Idempotent."""
+        if self.draft is not None:
+            self.draft.close()
+
     # ----------------------------------------------------------------------------- before scheduling
     def plan(self, running: list[Request]) -> None:
         """Set each running request's ``lookahead`` (and prompt lookup's ``draft_ids``) for the step."""
