@@ -23,7 +23,7 @@ from ..core.scheduler import Scheduler, SchedulerOutput
 from ..kernels import load_backend
 from .batch_api import BatchAPI
 from .beam import BeamGroup
-from .config import PagedConfig
+from .config import LOGPROBS_MODES, PagedConfig
 from .executor import Launcher, choose_launcher
 from .lockstep import Lockstep
 from .placement import input_device, layer_kinds
@@ -101,6 +101,7 @@ class ContinuousBatchingEngine(BatchAPI):
         lockstep: Lockstep | None = None,
         prompt_logprobs: int | None = None,
         ignore_eos: bool = False,
+        logprobs_mode: str | None = None,
     ) -> str:
         """Queue one prompt; returns its request id. Bad input raises ValueError and queues nothing.
 
@@ -119,6 +120,8 @@ class ContinuousBatchingEngine(BatchAPI):
         ``ignore_eos``: EOS does not end the request (vLLM's ``ignore_eos``; a benchmark's fixed output
         length): an EOS token is kept like any other, and only ``max_new_tokens`` and the stop criteria
         end it; processors still see the EOS (``min_new_tokens``). Not with ``structured``.
+        ``logprobs_mode``: ``"processed_logprobs"`` or ``"raw_logprobs"`` (None: ``PagedConfig.logprobs_mode``),
+        the distribution ``logprobs`` are taken from.
         """
         if self._sleep is not None:
             raise RuntimeError("the engine is asleep: call wake_up() before adding requests")
@@ -131,10 +134,14 @@ class ContinuousBatchingEngine(BatchAPI):
         max_new_tokens = resolve_max_new_tokens(config, len(prompt), max_new_tokens)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an int, got {priority!r}")
+        logprobs_mode = self.config.logprobs_mode if logprobs_mode is None else logprobs_mode
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
         sampling = make_sampling_params(
             self.model, config, len(prompt), logits_processor,
             stopping_criteria=stopping_criteria, tokenizer=tokenizer, seed=seed, logprobs=logprobs,
             max_new_tokens=max_new_tokens, prefix=padding, lockstep=lockstep, ignore_eos=ignore_eos,
+            raw_logprobs=logprobs_mode == "raw_logprobs",
         )  # fmt: skip
         request = Request("", prompt, max_new_tokens, sampling, arrival=0, priority=priority)
         if prompt_logprobs is not None:
