@@ -383,8 +383,8 @@ class Handlers:
 
 
 # What an unset (None) generation-config field means, where it is a value a request can name.
-NEUTRAL = {"num_return_sequences": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-           "top_k": 0}
+# Not top_k: an unset top_k is transformers' default of 50 at generate, so vLLM's 0 (off) must be sent as 0.
+NEUTRAL = {"num_return_sequences": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 
 
 def _setting(config: GenerationConfig, name: str) -> Any:

@@ -205,3 +205,18 @@ def test_raw_logprobs_mode_gives_sdpas_unprocessed_distribution(tokenizer, sdpa)
             top = {int(k.removeprefix("token_id:")): v for k, v in choice["logprobs"]["top_logprobs"][i].items()}
             assert list(top) == want.topk(3).indices.tolist()  # raw: nothing masked, no -9999
             assert all(abs(top[t] - want[t].item()) < TOLERANCE for t in top)
+
+
+@pytest.mark.parametrize("top_k", [0, -1])
+def test_top_k_off_turns_transformers_default_top_k_off(engine, tokenizer, sdpa, top_k):
+    """vLLM's ``top_k`` 0 / -1 is no truncation: at temperature 1 the sampled tokens' logprobs are the raw
+    distribution's (transformers' generate would otherwise apply its default top-k of 50)."""
+    body = {"model": NAME, "prompt": [[3, 17, 250, 91, 40]], "max_tokens": 8, "n": 2, "seed": 0, "logprobs": 0,
+            "temperature": 1.0, "top_k": top_k, "return_token_ids": True}
+    answer = post(engine, tokenizer, "/v1/completions", body)
+    assert answer.status_code == 200, answer.text
+    for choice in answer.json()["choices"]:
+        prompt, completion = choice["prompt_token_ids"], choice["token_ids"]
+        expected = sdpa_logprobs(sdpa, prompt + completion)
+        want = [expected[len(prompt) + i - 1, t].item() for i, t in enumerate(completion)]
+        assert choice["logprobs"]["token_logprobs"] == pytest.approx(want, abs=TOLERANCE)
