@@ -51,7 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "({\"name\": ..., \"parameters\": ...}), or auto: read from the chat template (default)")
     p.add_argument("--enable-rl-endpoints", action="store_true",
                    help="the RL loop's control routes (/pause, /resume, /is_paused, /reset_prefix_cache, "
-                        "/update_weights_from_disk, /update_weights) and chat_template in requests; behind --api-key")
+                        "/update_weights_from_disk, /update_weights, /sleep, /wake_up, /is_sleeping) and "
+                        "chat_template in requests; behind --api-key")
     p.add_argument("--max-queue", type=int, default=512,
                    help="most requests (choices) in the engine at once, running and waiting; more get HTTP 429")
     p.add_argument("--drain-timeout", type=float, default=30.0,
