@@ -15,6 +15,7 @@ from . import fp32_matmuls
 from .placement import kernel_device
 from .speculative.config import SpeculativeConfig
 
+LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
 
 @dataclass(slots=True)
 class PagedConfig:
@@ -82,6 +83,10 @@ class PagedConfig:
         speculative: speculative decoding for every request that can speculate
             (``SpeculativeConfig``: prompt lookup, or a draft model); None: only requests whose own
             generation config sets ``prompt_lookup_num_tokens`` speculate.
+        logprobs_mode: the distribution of the log-probabilities ``add_request(logprobs=k)`` records (vLLM's
+            names): ``"processed_logprobs"`` (the default) after the request's processors, penalties,
+            temperature and truncation, the distribution its tokens are drawn from; ``"raw_logprobs"`` the
+            model's own (``log_softmax`` of its logits). ``add_request(logprobs_mode=)`` overrides it.
     """
 
     block_size: int | None = None
@@ -100,6 +105,7 @@ class PagedConfig:
     fp32_matmuls: bool | None = None
     adaptive_threads: bool | None = None
     speculative: SpeculativeConfig | None = None
+    logprobs_mode: str = "processed_logprobs"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_batch_tokens"):
@@ -135,6 +141,8 @@ class PagedConfig:
             raise ValueError(f"PagedConfig.progress_bar must be None or a bool, got {self.progress_bar!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"PagedConfig.seed must be None or an int, got {self.seed!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"PagedConfig.logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             raise ValueError(f"PagedConfig.speculative must be None or a SpeculativeConfig, got {self.speculative!r}")
 

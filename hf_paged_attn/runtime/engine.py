@@ -24,12 +24,13 @@ from ..core.scheduler import Scheduler, SchedulerOutput
 from ..kernels import load_backend
 from .batch_api import BatchAPI
 from .beam import BeamGroup
-from .config import PagedConfig
+from .config import LOGPROBS_MODES, PagedConfig
 from .executor import Launcher, choose_launcher
 from .lockstep import Lockstep
 from .marks import marks_for
 from .placement import input_device, layer_kinds
 from .sampling import make_sampling_params, resolve_max_new_tokens
+from .sleep import TAGS, SleepState, allocate_pages, free_pages, pool_bytes, sleep_weights, wake_weights
 from .speculative.speculator import build_speculator
 from .stats import EngineStats, StepCounters
 from .update import Updater
@@ -99,6 +100,7 @@ class ContinuousBatchingEngine(BatchAPI):
             model, config.speculative, self.kv, self.layers, size.num_pages, self.backend, config.max_batch_tokens,
             self.device, self.generator,
         )  # fmt: skip
+        self._sleep: SleepState | None = None  # asleep: what sleep() freed (sleep.py)
 
     # ----------------------------------------------------------------------------- requests in
     def add_request(
@@ -118,6 +120,7 @@ class ContinuousBatchingEngine(BatchAPI):
         lockstep: Lockstep | None = None,
         prompt_logprobs: int | None = None,
         ignore_eos: bool = False,
+        logprobs_mode: str | None = None,
     ) -> str:
         """Queue one prompt; returns its request id. Bad input raises ValueError and queues nothing.
 
@@ -136,7 +139,11 @@ class ContinuousBatchingEngine(BatchAPI):
         ``ignore_eos``: EOS does not end the request (vLLM's ``ignore_eos``; a benchmark's fixed output
         length): an EOS token is kept like any other, and only ``max_new_tokens`` and the stop criteria
         end it; processors still see the EOS (``min_new_tokens``). Not with ``structured``.
+        ``logprobs_mode``: ``"processed_logprobs"`` or ``"raw_logprobs"`` (None: ``PagedConfig.logprobs_mode``),
+        the distribution ``logprobs`` are taken from.
         """
+        if self._sleep is not None:
+            raise RuntimeError("the engine is asleep: call wake_up() before adding requests")
         text_config = self.model.config.get_text_config()
         prompt = validate_prompt(input_ids, text_config.vocab_size, self.max_position_embeddings)
         # As in generate: what the caller's config leaves unset (eos, pad, ...) comes from the model's.
@@ -146,10 +153,14 @@ class ContinuousBatchingEngine(BatchAPI):
         max_new_tokens = resolve_max_new_tokens(config, len(prompt), max_new_tokens)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an int, got {priority!r}")
+        logprobs_mode = self.config.logprobs_mode if logprobs_mode is None else logprobs_mode
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
         sampling = make_sampling_params(
             self.model, config, len(prompt), logits_processor,
             stopping_criteria=stopping_criteria, tokenizer=tokenizer, seed=seed, logprobs=logprobs,
             max_new_tokens=max_new_tokens, prefix=padding, lockstep=lockstep, ignore_eos=ignore_eos,
+            raw_logprobs=logprobs_mode == "raw_logprobs",
         )  # fmt: skip
         request = Request("", prompt, max_new_tokens, sampling, arrival=0, priority=priority)
         if prompt_logprobs is not None:
@@ -216,6 +227,55 @@ class ContinuousBatchingEngine(BatchAPI):
     def load_weights_from_dir(self, path: str | os.PathLike[str]) -> int:
         """``load_weights`` of every tensor in the ``*.safetensors`` files of directory ``path``."""
         return self._new_weights(load_directory(self.model, path))
+
+    # ----------------------------------------------------------------------------- sleep and wake
+    # Like the three above: from the thread that steps, or while none does.
+    @property
+    def is_sleeping(self) -> bool:
+        return self._sleep is not None
+
+    def sleep(self, level: int = 1) -> int:
+        """Give memory back until ``wake_up`` (vLLM's levels, ``sleep.py``): the KV pool is freed and the
+        prefix cache forgotten; level 1 also moves CUDA weights to host memory, level 2 drops them (to be
+        loaded again after ``wake_up``) and the engine's own weight copies. Weights on the CPU are the
+        user's and stay. Needs no unfinished request (RuntimeError); returns the KV pool's bytes freed.
+        Asleep already, it does nothing and returns 0 (``wake_up`` first to sleep at another level)."""
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level!r}")
+        if (getattr(self.model, "tp_size", None) or 1) > 1:
+            raise NotImplementedError("sleep on a tensor-parallel engine is not supported")
+        if self._sleep is not None:
+            return 0
+        if self.has_unfinished():
+            raise RuntimeError("cannot sleep with unfinished requests: let them finish or abort them first")
+        state = SleepState(level)
+        self.reset_prefix_cache()  # the pages' contents go with them
+        freed = pool_bytes(self.cache)
+        state.pages = free_pages(self.cache)
+        sleep_weights(self.model, state)
+        self._sleep = state
+        return freed
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Take back what ``sleep`` gave: ``tags`` ``["weights"]``, ``["kv_cache"]`` or both (None). After
+        level 2, load the weights (``load_weights``) before generating: their values are undefined on CUDA."""
+        tags = TAGS if tags is None else tuple(tags)
+        if unknown := sorted(set(tags) - set(TAGS)):
+            raise ValueError(f"unknown wake_up tag(s) {unknown}; the tags are {list(TAGS)}")
+        state = self._sleep
+        if state is None:
+            return
+        if "weights" in tags and state.weights_asleep:
+            wake_weights(self.model, state)
+            if self.device.type == "cuda":
+                self.executor.close()  # CUDA graphs hold the old weights' addresses: captured again
+        if "kv_cache" in tags and state.pages is not None:
+            allocate_pages(self.cache, state.pages)
+            state.pages = None
+            if self.device.type == "cuda":
+                self.executor.close()  # and the old pages'
+        if not state.asleep:
+            self._sleep = None
 
     # ----------------------------------------------------------------------------- the loop
     def has_unfinished(self) -> bool:

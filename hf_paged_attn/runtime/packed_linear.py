@@ -219,7 +219,6 @@ def pack(model: nn.Module) -> int:
     return made
 
 
-def unpack(model: nn.Module) -> None:
-    """Drops the packed copies of ``model``'s weights (the op then runs ``F.linear`` on them)."""
-    for w in _weights(model):
-        _PACKED.pop(w.data_ptr(), None)
+def unpack(model: nn.Module) -> int:
+    """Drops the packed copies of ``model``'s weights (the op then runs ``F.linear`` on them); returns how many."""
+    return sum(_PACKED.pop(w.data_ptr(), None) is not None for w in _weights(model))

@@ -79,6 +79,7 @@ class SamplingParams:
     generator: torch.Generator | None = None  # the request's own (``seed=``); else the engine's
     seed: int | None = None  # the request's ``seed=``: each sequence of ``num_return_sequences`` derives its own
     num_logprobs: int | None = None  # record log-probs with this many alternatives
+    raw_logprobs: bool = False  # of the raw logits, not the processed scores (logprobs_mode "raw_logprobs")
     output_scores: bool = False
     output_logits: bool = False
     prefix: list[int] = field(default_factory=list)  # generate's left padding: what processors see first
@@ -155,6 +156,7 @@ def make_sampling_params(
     prefix: list[int] | None = None,
     lockstep: Any = None,
     ignore_eos: bool = False,
+    raw_logprobs: bool = False,
 ) -> SamplingParams:
     """Resolve ``config`` as ``generate`` does and build its processors and criteria for one request.
 
@@ -194,6 +196,7 @@ def make_sampling_params(
         generator=generator,
         seed=seed,
         num_logprobs=logprobs,
+        raw_logprobs=raw_logprobs,
         output_scores=bool(config.return_dict_in_generate and config.output_scores),
         output_logits=bool(config.return_dict_in_generate and config.output_logits),
         prefix=prefix,
@@ -409,7 +412,7 @@ def _sample_row(
         token,
         scores=scores[0].cpu() if params.output_scores else None,
         logits=raw[0].cpu() if params.output_logits else None,
-        logprob=token_logprob(scores[0], token, params.num_logprobs),
+        logprob=token_logprob((raw if params.raw_logprobs else scores)[0], token, params.num_logprobs),
     )
 
 

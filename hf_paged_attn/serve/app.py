@@ -173,8 +173,9 @@ def _flag(request: Request, name: str, default: bool) -> bool:
 def add_control_routes(app: FastAPI, control: Control, handlers: Handlers, check_key: Callable[[Request], None]
                        ) -> None:
     """The RL loop's routes (``control.py``), behind the API key: ``/pause``, ``/resume``, ``/is_paused``,
-    ``/reset_prefix_cache``, ``/update_weights_from_disk`` (SGLang's) and ``/update_weights`` (prime-rl's)."""
-    handlers.wait_unpaused = control.wait_unpaused
+    ``/reset_prefix_cache``, ``/update_weights_from_disk`` (SGLang's), ``/update_weights`` (prime-rl's),
+    ``/sleep``, ``/wake_up`` and ``/is_sleeping`` (vLLM's)."""
+    handlers.admit = control.admit
 
     @app.post("/pause")
     @guarded
@@ -193,6 +194,28 @@ def add_control_routes(app: FastAPI, control: Control, handlers: Handlers, check
     async def is_paused(request: Request) -> Any:
         check_key(request)
         return {"is_paused": control.paused}
+
+    @app.post("/sleep")
+    @guarded
+    async def sleep(request: Request) -> Any:
+        check_key(request)
+        level = request.query_params.get("level", "1")
+        if level not in ("1", "2"):
+            raise APIError(400, f"level must be 1 or 2, got {level[:64]!r}", "level")
+        return await control.sleep(int(level))
+
+    @app.post("/wake_up")
+    @guarded
+    async def wake_up(request: Request) -> Any:
+        check_key(request)  # vLLM's: ?tags=weights&tags=kv_cache, none for everything
+        tags = request.query_params.getlist("tags")
+        return await control.wake_up(tags or None)
+
+    @app.get("/is_sleeping")
+    @guarded
+    async def is_sleeping(request: Request) -> Any:
+        check_key(request)
+        return {"is_sleeping": control.sleeping}
 
     @app.post("/reset_prefix_cache")
     @guarded

@@ -51,7 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "({\"name\": ..., \"parameters\": ...}), or auto: read from the chat template (default)")
     p.add_argument("--enable-rl-endpoints", action="store_true",
                    help="the RL loop's control routes (/pause, /resume, /is_paused, /reset_prefix_cache, "
-                        "/update_weights_from_disk, /update_weights) and chat_template in requests; behind --api-key")
+                        "/update_weights_from_disk, /update_weights, /sleep, /wake_up, /is_sleeping) and "
+                        "chat_template in requests; behind --api-key")
     p.add_argument("--max-queue", type=int, default=512,
                    help="most requests (choices) in the engine at once, running and waiting; more get HTTP 429")
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -85,6 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--kernel")
     g.add_argument("--scheduling-policy")
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--logprobs-mode", choices=("processed_logprobs", "raw_logprobs"),
+                   help="vLLM's: the log-probabilities of sampled tokens after the request's processors, temperature "
+                        "and truncation (processed_logprobs, the default), or of the model's raw logits")
     g.add_argument("--speculative", metavar="SPEC",
                    help="speculative decoding: ngram:K (prompt lookup, K tokens a step; ngram:K:N matches up to "
                         "N-grams) or, with --draft-model, draft:K")
@@ -112,7 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def paged_config(args: argparse.Namespace) -> PagedConfig:
     """The PagedConfig the flags describe (ValueError naming a bad field)."""
     names = ("block_size", "num_blocks", "memory_fraction", "max_num_seqs", "max_batch_tokens", "kernel",
-             "scheduling_policy")
+             "scheduling_policy", "logprobs_mode")
     fields = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     if args.no_prefix_caching:
         fields["enable_prefix_caching"] = False

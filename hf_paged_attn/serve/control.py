@@ -10,6 +10,10 @@ alone (vLLM's keep mode goes on with the old K/V instead). A weight update sent 
 pauses it in ``wait`` mode first: the requests in flight finish on the old weights, and every later one
 runs on the new. Every update drops the whole prefix cache.
 
+Sleep (vLLM's ``/sleep?level=``): new generation requests get a 503 from then on, the requests in flight
+finish first (within ``HOLD_TIMEOUT_S``), then the engine sleeps (``engine.sleep``) and its thread stays held
+until ``/wake_up`` has woken every part.
+
 The engine thread is held (``EngineLoop.hold``) whenever the engine's state changes here, so no step
 runs meanwhile; loading runs in a worker thread, never on the event loop.
 """
@@ -69,14 +73,63 @@ class Control:
         self._unpaused = asyncio.Event()
         self._unpaused.set()
         self._lock = asyncio.Lock()  # one control operation at a time
+        self.sleeping = False  # from the start of /sleep until /wake_up has woken everything
+        self._sleep_held = False  # the engine thread is held for the sleep
 
     @property
     def paused(self) -> bool:
         return self.mode is not None
 
-    async def wait_unpaused(self) -> None:
-        """Returns at once unless paused; then when resumed (a generation request waits here)."""
+    async def admit(self) -> None:
+        """A generation request's way in: APIError 503 while asleep; while paused, waits for the resume."""
+        self._check_awake()
         await self._unpaused.wait()
+        self._check_awake()
+
+    def _check_awake(self) -> None:
+        if self.sleeping:
+            raise APIError(503, "the engine is asleep (POST /sleep); POST /wake_up first", None, "sleeping")
+
+    async def sleep(self, level: int) -> dict[str, Any]:
+        if level not in (1, 2):
+            raise APIError(400, f"level must be 1 or 2, got {level!r}", "level")
+        async with self._lock:
+            if self.sleeping:
+                return {"is_sleeping": True, "kv_cache_bytes_freed": 0}
+            self.sleeping = True  # new generation requests are refused from now on
+            try:
+                deadline = asyncio.get_running_loop().time() + HOLD_TIMEOUT_S
+                while not self.paused and self.loop.num_unfinished:  # (paused: the thread is held already)
+                    if asyncio.get_running_loop().time() > deadline:
+                        raise APIError(503, f"the requests in flight did not finish within {HOLD_TIMEOUT_S:.0f} s",
+                                       None, "engine_busy")
+                    await asyncio.sleep(WAIT_POLL_S)
+                self._sleep_held = await self._hold()  # its own hold: a /resume while asleep keeps it
+                try:
+                    freed = await asyncio.get_running_loop().run_in_executor(None, self.engine.sleep, level)
+                except RuntimeError as exc:  # requests kept by a pause(keep): they must finish or be aborted
+                    raise APIError(409, f"cannot sleep: {exc}", None, "requests_in_flight") from None
+            except BaseException:
+                self.sleeping = False
+                self._release_sleep_hold()
+                raise
+        return {"is_sleeping": True, "kv_cache_bytes_freed": freed}
+
+    async def wake_up(self, tags: list[str] | None) -> dict[str, Any]:
+        async with self._lock:
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, self.engine.wake_up, tags)
+            except ValueError as exc:
+                raise APIError(400, str(exc), "tags") from None
+            if self.sleeping and not self.engine.is_sleeping:
+                self.sleeping = False
+                self._release_sleep_hold()
+        return {"is_sleeping": self.sleeping}
+
+    def _release_sleep_hold(self) -> None:
+        if self._sleep_held:
+            self._sleep_held = False
+            self.loop.release()
 
     async def pause(self, mode: str, clear_cache: bool) -> dict[str, Any]:
         if mode not in PAUSE_MODES:

@@ -111,7 +111,8 @@ class Handlers:
         # thread; after it, a compile (which releases the GIL) holds up no tokenizing.
         self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="hf-paged-grammar")
         self._grammars_ready = False
-        self.wait_unpaused: Callable[[], Awaitable[None]] | None = None  # set by the app with the RL control routes
+        # set by the app with the RL control routes: 503 while asleep, waits while paused
+        self.admit: Callable[[], Awaitable[None]] | None = None
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -359,8 +360,8 @@ class Handlers:
         return config
 
     async def _start(self, job: Job) -> JobRun:
-        if self.wait_unpaused is not None:  # paused by /pause: the request runs after /resume
-            await self.wait_unpaused()
+        if self.admit is not None:  # asleep: 503; paused by /pause: the request runs after /resume
+            await self.admit()
         num_new = len(job.prompts) * job.n
         if self.loop.num_unfinished + num_new > self.settings.max_queue:
             raise APIError(429, f"the server's queue is full ({self.settings.max_queue} requests); retry later",
@@ -382,8 +383,8 @@ class Handlers:
 
 
 # What an unset (None) generation-config field means, where it is a value a request can name.
-NEUTRAL = {"num_return_sequences": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-           "top_k": 0}
+# Not top_k: an unset top_k is transformers' default of 50 at generate, so vLLM's 0 (off) must be sent as 0.
+NEUTRAL = {"num_return_sequences": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 
 
 def _setting(config: GenerationConfig, name: str) -> Any:

@@ -183,3 +183,40 @@ def test_bad_rl_fields_are_400s(engine, tokenizer, body, param):
     answer = post(engine, tokenizer, "/v1/chat/completions", full)
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"]["param"] == param
+
+
+def test_raw_logprobs_mode_gives_sdpas_unprocessed_distribution(tokenizer, sdpa):
+    """``--logprobs-mode raw_logprobs`` (``PagedConfig.logprobs_mode``): the sampled tokens' logprobs and their
+    alternatives are ``log_softmax`` of sdpa's raw logits, whatever the temperature and truncation."""
+    model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, attn_implementation="paged", dtype=torch.float32).eval()
+    config = PagedConfig(num_blocks=64, compile=False, logprobs_mode="raw_logprobs")
+    body = {"model": NAME, "prompt": PROMPTS[1], "max_tokens": 8, "n": 2, "seed": 3, "logprobs": 3,
+            "temperature": 0.5, "top_k": 10, "return_token_ids": True, "return_tokens_as_token_ids": True}
+    with ContinuousBatchingEngine(model, config) as raw_engine:
+        answer = post(raw_engine, tokenizer, "/v1/completions", body)
+    assert answer.status_code == 200, answer.text
+    for choice in answer.json()["choices"]:
+        prompt, completion = choice["prompt_token_ids"], choice["token_ids"]
+        expected = sdpa_logprobs(sdpa, prompt + completion)
+        for i, token in enumerate(completion):
+            want = expected[len(prompt) + i - 1]
+            got = choice["logprobs"]["token_logprobs"][i]
+            assert abs(got - want[token].item()) < TOLERANCE, (i, got, want[token].item())
+            top = {int(k.removeprefix("token_id:")): v for k, v in choice["logprobs"]["top_logprobs"][i].items()}
+            assert list(top) == want.topk(3).indices.tolist()  # raw: nothing masked, no -9999
+            assert all(abs(top[t] - want[t].item()) < TOLERANCE for t in top)
+
+
+@pytest.mark.parametrize("top_k", [0, -1])
+def test_top_k_off_turns_transformers_default_top_k_off(engine, tokenizer, sdpa, top_k):
+    """vLLM's ``top_k`` 0 / -1 is no truncation: at temperature 1 the sampled tokens' logprobs are the raw
+    distribution's (transformers' generate would otherwise apply its default top-k of 50)."""
+    body = {"model": NAME, "prompt": [[3, 17, 250, 91, 40]], "max_tokens": 8, "n": 2, "seed": 0, "logprobs": 0,
+            "temperature": 1.0, "top_k": top_k, "return_token_ids": True}
+    answer = post(engine, tokenizer, "/v1/completions", body)
+    assert answer.status_code == 200, answer.text
+    for choice in answer.json()["choices"]:
+        prompt, completion = choice["prompt_token_ids"], choice["token_ids"]
+        expected = sdpa_logprobs(sdpa, prompt + completion)
+        want = [expected[len(prompt) + i - 1, t].item() for i, t in enumerate(completion)]
+        assert choice["logprobs"]["token_logprobs"] == pytest.approx(want, abs=TOLERANCE)

@@ -20,6 +20,7 @@ from hf_paged_attn import PagedConfig
         ("memory_fraction", 1.5),
         ("progress_bar", "auto"),
         ("seed", 1.5),
+        ("logprobs_mode", "raw"),
     ],
 )
 def test_bad_values_name_the_field(field, value):

@@ -355,3 +355,12 @@ def test_a_bug_is_a_500_that_closes_the_connection():
     assert response.status_code == 500 and response.headers["connection"] == "close"
     body = response.body.decode()
     assert '"type":"server_error"' in body and "a bug" not in body  # the type of the error, not its text
+
+
+def test_logprobs_mode_flag_sets_the_engine_config():
+    from hf_paged_attn.serve.cli import paged_config, parse_args
+
+    assert paged_config(parse_args(["m"])).logprobs_mode == "processed_logprobs"
+    assert paged_config(parse_args(["m", "--logprobs-mode", "raw_logprobs"])).logprobs_mode == "raw_logprobs"
+    with pytest.raises(SystemExit):
+        parse_args(["m", "--logprobs-mode", "raw"])

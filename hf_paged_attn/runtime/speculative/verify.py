@@ -141,7 +141,8 @@ def _verify(
             token,
             scores[i].cpu() if params.output_scores else None,
             raw[i].cpu() if params.output_logits else None,
-            token_logprob(scores[i], token, params.num_logprobs) if scores is not None else None,
+            token_logprob((raw if params.raw_logprobs else scores)[i], token, params.num_logprobs)
+            if scores is not None else None,
         )
         counters.num_generated_tokens += 1
         counters.num_accepted_tokens += int(i < num_accepted)
