@@ -108,8 +108,15 @@ def graphs_on(monkeypatch):
                                          max_positions, graph_factory=FrozenGraphs()))  # fmt: skip
         return runners[-1]
 
+    close = CudaGraphExecutor.close
+
+    def keep_what_was_captured(self) -> None:  # model.generate closes its engine: its graphs go, the record stays
+        self.captured_at_close = dict(self.captured)
+        close(self)
+
     monkeypatch.setattr(LocalLauncher, "_graphs", staticmethod(lambda model, config: True))
     monkeypatch.setattr(LocalLauncher, "executor", executor)
+    monkeypatch.setattr(CudaGraphExecutor, "close", keep_what_was_captured)
     return SimpleNamespace(runners=runners, settings=settings)
 
 
@@ -283,9 +290,11 @@ def test_model_generate_with_graphs_equals_sdpa(llama, graphs_on):
 
     (runner,) = graphs_on.runners
     factory = runner.graph_factory
-    replays = {bucket: c.graph.replays for bucket, c in runner.captured.items()}
+    assert not runner.captured  # the engine of model.generate was shut down: its graphs freed
+    captured = runner.captured_at_close
+    replays = {bucket: c.graph.replays for bucket, c in captured.items()}
     assert set(replays) == {1, 2, 4, 5}, f"buckets used: {replays}"
-    assert runner.num_captures == len(factory.captured) == len(runner.captured)  # each bucket once
+    assert runner.num_captures == len(factory.captured) == len(captured)  # each bucket once
     assert all(n > 0 for n in replays.values()) and sum(replays.values()) == runner.num_replays
     assert runner.num_replays > runner.num_captures  # captured graphs are reused
     # every decode call the graphs made read the static block table, never a step's own
