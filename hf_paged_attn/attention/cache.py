@@ -5,6 +5,10 @@ lazily at the layer's first write so that models whose layers differ in head cou
 pages of the right shape per layer. One block id means the same block in every layer of an
 attention group, so one allocator serves the whole model (``core/layers.py`` for hybrid models,
 whose groups share page tensors).
+
+Pages may be stored in a narrower dtype than the model's (``PagedConfig.kv_cache_dtype``, fp8): each
+layer then stores ``k / k_scale`` and ``v / v_scale``, and the attention function folds the scales back in
+outside the kernels (``kernels/kv_dtype.py``).
 """
 
 from __future__ import annotations
@@ -37,10 +41,19 @@ class PagedLayer(CacheLayerMixin):
     ``width`` is the larger of the key and value head dims (equal in most models)."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, is_sliding: bool = False, group: int = 0, slot: int | None = None
+        self,
+        num_blocks: int,
+        block_size: int,
+        is_sliding: bool = False,
+        group: int = 0,
+        slot: int | None = None,
+        page_dtype: torch.dtype | None = None,
+        scales: tuple[float, float] = (1.0, 1.0),
     ) -> None:
         super().__init__()
         self.num_blocks = num_blocks
+        self.page_dtype = page_dtype  # None: the dtype of the K/V the model gives
+        self.k_scale, self.v_scale = scales  # pages hold k / k_scale and v / v_scale
         self.block_size = block_size
         self.is_sliding = is_sliding
         self.group = group  # attention group (layers.py): whose block tables address these pages
@@ -57,8 +70,8 @@ class PagedLayer(CacheLayerMixin):
         # K and V pages share one width, the larger head dim (zero-padded): flash-attn and the decode
         # kernels need equal head dims, and models with latent attention (DeepSeek, MiMo) differ.
         shape = (self.num_blocks, self.block_size, num_kv_heads, max(self.key_dim, self.value_dim))
-        self.keys = torch.zeros(shape, dtype=key_states.dtype, device=key_states.device)
-        self.values = torch.zeros(shape, dtype=value_states.dtype, device=value_states.device)
+        self.keys = torch.zeros(shape, dtype=self.page_dtype or key_states.dtype, device=key_states.device)
+        self.values = torch.zeros(shape, dtype=self.page_dtype or value_states.dtype, device=value_states.device)
         self.device = key_states.device
         self.is_initialized = True
 
@@ -66,7 +79,8 @@ class PagedLayer(CacheLayerMixin):
         """Whether ``owner``'s page tensors can hold this layer's K/V (shape, dtype, device)."""
         _, num_kv_heads, _, key_dim = key_states.shape
         width = max(key_dim, value_states.shape[-1])
-        want = (owner.num_blocks, owner.block_size, num_kv_heads, width, key_states.dtype, key_states.device)
+        dtype = self.page_dtype or key_states.dtype
+        want = (owner.num_blocks, owner.block_size, num_kv_heads, width, dtype, key_states.device)
         return want == (*owner.keys.shape, owner.keys.dtype, owner.keys.device)
 
     def share_pages(self, owner: PagedLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -75,6 +89,11 @@ class PagedLayer(CacheLayerMixin):
         self.key_dim, self.value_dim = key_states.shape[-1], value_states.shape[-1]
         self.keys, self.values, self.device = owner.keys, owner.values, owner.device
         self.is_initialized = True
+
+    def descaled(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V as the pages store them: divided by the layer's scales (unchanged at 1.0)."""
+        keys = keys if self.k_scale == 1.0 else keys / self.k_scale
+        return keys, values if self.v_scale == 1.0 else values / self.v_scale
 
     @property
     def width(self) -> int:
@@ -105,15 +124,24 @@ class PagedAttentionCache(Cache):
     """
 
     def __init__(
-        self, config: PreTrainedConfig, num_blocks: int, block_size: int, layers: LayerKinds | None = None
+        self,
+        config: PreTrainedConfig,
+        num_blocks: int,
+        block_size: int,
+        layers: LayerKinds | None = None,
+        page_dtype: torch.dtype | None = None,
+        scales: list[tuple[float, float]] | None = None,
     ) -> None:
+        """``page_dtype``: the pages' dtype (None: the model's K/V dtype); ``scales``: each layer's
+        (k_scale, v_scale), 1.0 by default."""
         layers = layers or LayerKinds.from_config(config, share_pages=False)
+        scales = scales or [(1.0, 1.0)] * len(layers.windows)
         shared = len(layers.groups) > 1  # hybrid groups: the j-th layer of every group shares slot j
         super().__init__(
             layers=[
                 PagedLayer(
                     num_blocks, block_size, is_sliding=window is not None, group=layers.group_of_layer[i],
-                    slot=layers.slot_of_layer[i] if shared else None,
+                    slot=layers.slot_of_layer[i] if shared else None, page_dtype=page_dtype, scales=scales[i],
                 )
                 for i, window in enumerate(layers.windows)
             ]
@@ -154,6 +182,7 @@ class PagedAttentionCache(Cache):
             assert key_states.shape[0] == 1, f"paged steps pack every request in batch row 0, got {key_states.shape}"
             inputs = context.inputs(layer.group, key_states.device)  # this layer's block ids, where it runs
             new_keys, new_values = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)  # [N, H_kv, D]
+            new_keys, new_values = layer.descaled(new_keys, new_values)
             context.backend.write_kv(
                 pad_head_dim(new_keys, layer.width), pad_head_dim(new_values, layer.width),
                 layer.keys, layer.values, inputs.slot_mapping,

@@ -71,16 +71,19 @@ def paged_attention_forward(
     value_dim = value.shape[-1]
     query = pad_head_dim(query, layer.width)  # K and V head dims differ (latent attention): pages are wider
     window = (sliding_window - 1, sliding_window - 1) if sliding_window else (-1, -1)
+    # fp8 pages hold k / k_scale and v / v_scale (cache.py): k_scale joins the softmax scale, v_scale the output
     options = dict(
-        softmax_scale=scale, causal=True, window_size=window, softcap=softcap or 0.0, sinks=s_aux, memo=inputs.memo
+        softmax_scale=scale * layer.k_scale, causal=True, window_size=window, softcap=softcap or 0.0, sinks=s_aux,
+        memo=inputs.memo,
     )
     q = query[0].transpose(0, 1)  # [N, H, D]
     # A sliding group's max_length_k counts the keys its window leaves; the kernels' max_seqlen_k must bound
     # the keys counted from position 0 (kernels/base.py), which the block table's capacity does.
     max_seqlen_k = inputs.block_table.shape[1] * layer.block_size if sliding_window else inputs.max_length_k
     if inputs.is_decode:
-        new_k = pad_head_dim(key[0].transpose(0, 1), layer.width).unsqueeze(1)  # [B, 1, H_kv, D], appended in place
-        new_v = pad_head_dim(value[0].transpose(0, 1), layer.width).unsqueeze(1)
+        new_k, new_v = layer.descaled(key[0].transpose(0, 1), value[0].transpose(0, 1))  # [B, H_kv, D]
+        new_k = pad_head_dim(new_k, layer.width).unsqueeze(1)  # [B, 1, H_kv, D], appended in place
+        new_v = pad_head_dim(new_v, layer.width).unsqueeze(1)
         out = context.backend.paged_decode_attention(
             q.unsqueeze(1),  # [B, 1, H, D]: one token per request
             layer.keys,
@@ -104,7 +107,8 @@ def paged_attention_forward(
             max_seqlen_k,
             **options,
         )
-    return out[..., :value_dim].unsqueeze(0), None  # [1, N, H, D_v]
+    out = out[..., :value_dim].unsqueeze(0)  # [1, N, H, D_v]
+    return (out if layer.v_scale == 1.0 else out * layer.v_scale), None
 
 
 def plain_attention(
@@ -237,7 +241,7 @@ def _lean_decode(
     of arbitrary models; here the graph itself hands this op the K/V it wrote, for a model whose first step
     (a prefill, always through the general path) passed them."""
     layer = step.cache.layers[layer_idx]
-    if not layer.is_initialized:
+    if not layer.is_initialized or layer.k_scale != 1.0 or layer.v_scale != 1.0:  # scaled pages: the general path
         return None
     context = step.context
     inputs = context.inputs(layer.group, query.device)

@@ -7,6 +7,9 @@ entry points named and shaped like flash-attn's, capabilities as class attribute
 | ``triton`` | ``triton_backend`` (kernels in ``triton_ops``) | CUDA GPUs of compute capability 8.0+ |
 | ``torch`` | ``torch_backend/`` (native CPU kernels in ``cpu_native`` / ``cpu_attention*.c``) | everywhere |
 
+Only torch reads fp8 pages (``kv_dtype.py``, ``supports_fp8_pages``): with ``kv_cache_dtype="fp8"`` on CUDA,
+``kernel="auto"`` picks torch, and an explicit flash or triton is refused.
+
 ``reference.py`` is the float64 reference every backend is tested against. The registry below is
 the one place that lists the backends in ``kernel="auto"``'s order of preference; ``PagedConfig``
 and the engine read it. Only torch is imported to choose: flash-attn and triton load when a kernel
@@ -35,16 +38,16 @@ def resolve_kernel(
     dtype: torch.dtype | None = None,
     sinks: bool = False,
     head_dim: int | None = None,
+    page_dtype: torch.dtype | None = None,
 ) -> str:
     """Turn ``"auto"`` into the first backend of ``BACKENDS`` that suits the cache (``block_size``,
-    ``dtype`` and ``head_dim`` of None suit every backend); an explicit name stays as it is."""
+    ``dtype``, ``head_dim`` and ``page_dtype`` of None suit every backend); an explicit name stays as it is."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r} is not one of {KERNELS}")
     if kernel != "auto":
         return kernel
-    return next(
-        name for name, backend in BACKENDS.items() if backend.suits(device, block_size, dtype, sinks, head_dim)
-    )
+    cache = (device, block_size, dtype, sinks, head_dim, page_dtype)
+    return next(name for name, backend in BACKENDS.items() if backend.suits(*cache))
 
 
 def load_backend(kernel: str, device: torch.device) -> AttentionBackend:

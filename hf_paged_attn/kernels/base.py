@@ -54,6 +54,8 @@ class AttentionBackend(ABC):
     name: ClassVar[str]
     dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None  # None: every dtype
     supports_sinks: ClassVar[bool] = True
+    # Whether its kernels read fp8 pages (``kv_dtype.py``: float8 page tensors, scales folded in outside)
+    supports_fp8_pages: ClassVar[bool] = False
     # Whether a decode step through it can be captured in a CUDA graph (``runtime/cuda_graphs.py``):
     # its decode reads lengths and block tables from device tensors only, and its launch parameters
     # (grid, split-K count) follow from shapes, which a graph's bucket fixes.
@@ -88,11 +90,14 @@ class AttentionBackend(ABC):
         dtype: torch.dtype | None,
         sinks: bool,
         head_dim: int | None = None,
+        page_dtype: torch.dtype | None = None,
     ) -> bool:
-        """Can it run a cache of ``block_size`` (None: its own) in ``dtype`` with pages ``head_dim`` wide
-        (None: unknown) on ``device``?"""
+        """Can it run a cache of ``block_size`` (None: its own) for a model in ``dtype`` with pages ``head_dim``
+        wide (None: unknown) of ``page_dtype`` (None: the model's) on ``device``?"""
+        fp8 = page_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
         return (
-            cls.is_available(device)
+            (cls.supports_fp8_pages or not fp8)
+            and cls.is_available(device)
             and (block_size is None or cls.accepts_block_size(block_size))
             and (dtype is None or cls.dtypes is None or dtype in cls.dtypes)
             and (cls.supports_sinks or not sinks)

@@ -27,6 +27,10 @@
  *   cu_q int32 [B + 1] (prefill) or NULL (decode: one query per request);
  *   table int32 [B, W] block ids (< 0 or >= num_blocks: no page, its keys are invisible); sinks fp32 [H] or NULL.
  * dtype: 0 float32, 1 bfloat16 (q, caches, new K/V and out share it; softmax and accumulation in fp32).
+ * page_dtype: 0 the pages are in ``dtype``; 2 fp8 e4m3 (OCP "fn": no infinities), 3 fp8 e5m2: one byte per element,
+ *   widened to fp32 a chunk at a time through a 256-entry table into the chunk buffers kf / vf (as bf16 pages are),
+ *   never a gathered copy of the pages. fp8 pages are never appended to here (k_new must be NULL): the caller
+ *   rounds the new K/V into them (kernels/kv_dtype.py). Their scales are folded in by the caller.
  */
 #define _POSIX_C_SOURCE 200809L /* posix_memalign under -std=c11 */
 #include <math.h>
@@ -57,9 +61,10 @@ typedef struct {
     int32_t cascade; /* decode: group requests that share leading blocks and read those once per group */
     int32_t num_groups; /* out: shared-prefix groups the last decode call formed (for tests and benchmarks) */
     int64_t new_v_sb, new_v_sh; /* v_new's strides (a view of another tensor than k_new's, e.g. a fused projection) */
+    int32_t page_dtype; /* 0: dtype; FP8_E4M3 / FP8_E5M2: one-byte pages */
 } Args;
 
-enum { F32 = 0, BF16 = 1 };
+enum { F32 = 0, BF16 = 1, FP8_E4M3 = 2, FP8_E5M2 = 3 };
 enum { ISA_BEST = 0, ISA_PORTABLE = 1, ISA_AVX2 = 2, ISA_AVX512 = 3, ISA_AVX512BF16 = 4 };
 
 #define KC 32          /* keys per chunk */
@@ -72,6 +77,28 @@ enum { ISA_BEST = 0, ISA_PORTABLE = 1, ISA_AVX2 = 2, ISA_AVX512 = 3, ISA_AVX512B
 static const float ZERO_ROW[DMAX] __attribute__((aligned(64))); /* a padding key: reads as zeros */
 
 /* ------------------------------------------------------------------------------------------- scalars */
+
+/* Every fp8 byte as a float, [0] e4m3 and [1] e5m2, filled when the library loads. */
+static float FP8_TO_F32[2][256];
+
+__attribute__((constructor)) static void fp8_tables(void) {
+    for (int x = 0; x < 256; x++) {
+        const float sign = x & 0x80 ? -1.0f : 1.0f;
+        const int e4 = (x >> 3) & 0xf, m3 = x & 7, e5 = (x >> 2) & 0x1f, m2 = x & 3;
+        /* e4m3fn: bias 7, subnormals m/8 * 2^-6, S.1111.111 the only NaN (no infinities) */
+        FP8_TO_F32[0][x] = e4 == 15 && m3 == 7 ? NAN
+                           : e4 == 0           ? sign * ldexpf((float)m3, -9)
+                                               : sign * ldexpf(1.0f + m3 / 8.0f, e4 - 7);
+        /* e5m2: bias 15, subnormals m/4 * 2^-14, exponent 31 infinities and NaNs (IEEE-like) */
+        FP8_TO_F32[1][x] = e5 == 31 ? (m2 ? NAN : sign * INFINITY)
+                           : e5 == 0 ? sign * ldexpf((float)m2, -16)
+                                     : sign * ldexpf(1.0f + m2 / 4.0f, e5 - 15);
+    }
+}
+
+static inline size_t page_elem(const Args *a) {
+    return a->page_dtype >= FP8_E4M3 ? 1 : a->dtype == F32 ? sizeof(float) : sizeof(uint16_t);
+}
 
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t bits = (uint32_t)x << 16;
@@ -227,6 +254,21 @@ static void convert_chunk_portable(Rows *r, int64_t n, int32_t values_too) {
     }
 }
 
+/* fp8 pages (kb / vb hold their byte pointers) -> kf / vf through ``table``; the loop compiles to table gathers. */
+static void convert_chunk_fp8(Rows *r, int64_t n, const float *restrict table) {
+    const int64_t d = r->d, dp = r->dp;
+    for (int64_t t = 0; t < n; t++) {
+        float *restrict kf = r->kf + t * dp, *restrict vf = r->vf + t * dp;
+        const uint8_t *k = (const uint8_t *)r->kb[t], *v = (const uint8_t *)r->vb[t];
+#pragma omp simd
+        for (int64_t x = 0; x < d; x++) kf[x] = table[k[x]];
+#pragma omp simd
+        for (int64_t x = 0; x < d; x++) vf[x] = table[v[x]];
+        r->krow[t] = kf;
+        r->vrow[t] = vf;
+    }
+}
+
 static const Kernels PORTABLE = {scores_few_portable, scores_many_portable, values_portable, NULL, NULL, NULL,
                                  NULL, NULL, convert_chunk_portable};
 
@@ -237,7 +279,7 @@ static const Kernels PORTABLE = {scores_few_portable, scores_many_portable, valu
 
 /* Whether a call takes the bf16 pairs kernels (they read pairs of dims: an even head dim). */
 static inline int32_t use_pairs(const Args *a, const Kernels *kern) {
-    return a->dtype == BF16 && kern->scores_few_bf16 != NULL && a->dim % 2 == 0;
+    return a->dtype == BF16 && a->page_dtype == 0 && kern->scores_few_bf16 != NULL && a->dim % 2 == 0;
 }
 
 /* The kernels a call runs: ``isa`` (Args.isa) clamped to what the CPU and the compiler have. */
@@ -501,8 +543,9 @@ static inline void prefetch_rows(const Args *a, int64_t b, int64_t hk, int64_t p
 static void rows_walk(Rows *r, const Args *a, const Kernels *kern, int64_t b, int64_t hk, int64_t lo, int64_t hi,
                       int32_t always_visible) {
     const int64_t bs = a->block_size, d = a->dim;
-    const size_t elem = a->dtype == F32 ? sizeof(float) : sizeof(uint16_t);
+    const size_t elem = page_elem(a);
     const int32_t pairs = use_pairs(a, kern);
+    const float *fp8 = a->page_dtype >= FP8_E4M3 ? FP8_TO_F32[a->page_dtype - FP8_E4M3] : NULL;
     const int32_t many = r->many;
     int64_t first_masked = INT64_MAX, last_masked = INT64_MIN; /* keys [first, last] every row sees */
     if (!always_visible) {
@@ -549,7 +592,10 @@ static void rows_walk(Rows *r, const Args *a, const Kernels *kern, int64_t b, in
         if (pairs) {
             (many ? kern->scores_many_bf16 : kern->scores_few_bf16)(r, n);
         } else {
-            if (a->dtype == BF16) kern->convert_chunk(r, n, 1);
+            if (fp8 != NULL)
+                convert_chunk_fp8(r, n, fp8);
+            else if (a->dtype == BF16)
+                kern->convert_chunk(r, n, 1);
             (many ? kern->scores_many : kern->scores_few)(r, n);
         }
         if (many)
@@ -954,7 +1000,7 @@ static int find_groups(const Args *a, Groups *g) {
 int paged_decode(Args *a) {
     a->cu_q = NULL;
     a->num_groups = 0;
-    if (a->k_new != NULL && append(a) != 0) return 2;
+    if (a->k_new != NULL && (a->page_dtype != 0 || append(a) != 0)) return 2;
     const int64_t group = a->heads / a->kv_heads;
     Work w = {a, kernels_for(a->isa), NULL, 0, group, 0, 0, NULL, NULL, NULL, NULL, NULL, 0};
     w.dp = (int64_t)round_up((size_t)a->dim, 32);

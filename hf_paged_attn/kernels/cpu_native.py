@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from .kv_dtype import to_pages, writable
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
@@ -55,6 +57,7 @@ NO_OPENMP = "-fopenmp-simd"  # -fopenmp's stand-in when the compiler has no Open
 ISAS = {"best": 0, "portable": 1, "avx2": 2, "avx512": 3, "avx512bf16": 4}  # Args.isa
 MAX_HEAD_DIM = 512
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_PAGE_DTYPES = {torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}  # Args.page_dtype of one-byte pages (else 0)
 # Multiply-adds of one call above which its tasks go to the kernel's thread pool (torch's thread count):
 # waking a sleeping worker costs ~10-50 us, which a small call does not repay. What pays is time, so the
 # bound follows the kernels' speed. AVX-512 (a 2-core Xeon of docs/performance.md): a second thread cost
@@ -79,6 +82,7 @@ class _Args(ctypes.Structure):
         *((name, ctypes.c_int32) for name in ("dtype", "num_threads", "isa", "causal", "cascade", "num_groups")),
         ("new_v_sb", ctypes.c_int64),
         ("new_v_sh", ctypes.c_int64),
+        ("page_dtype", ctypes.c_int32),
     ]
 
 
@@ -240,8 +244,8 @@ def _readable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *in
     """Whether the C code reads these tensors as they are (else the caller falls back to torch ops). Plain
     ``and`` chains, no generators: this runs at every layer of every step."""
     ok = (
-        k_cache.dtype == q.dtype
-        and v_cache.dtype == q.dtype
+        (k_cache.dtype == q.dtype or k_cache.dtype in _PAGE_DTYPES)
+        and v_cache.dtype == k_cache.dtype
         and q.stride(-1) == 1
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
@@ -311,6 +315,10 @@ def paged_decode(
         and (new[0].dtype != q.dtype or new[1].dtype != q.dtype or new[0].stride(-1) != 1 or new[1].stride(-1) != 1)
     ):
         return None
+    page_dtype = _PAGE_DTYPES.get(k_cache.dtype, 0)
+    if appended and page_dtype:  # the C code never rounds into fp8: the new K/V go in first, then are attended
+        _append_fp8(k_cache, v_cache, new[0], new[1], cache_seqlens, block_table)
+        cache_seqlens, new, appended = cache_seqlens + 1, [], False
     sinks = sinks.float().contiguous() if sinks is not None else None
     out = torch.empty(b, 1, h, d, dtype=q.dtype)
     threads = torch.get_num_threads() if b * h * max_len * d > threaded_work() else 1
@@ -322,12 +330,31 @@ def paged_decode(
         q.stride(0), q.stride(2), out.stride(0), out.stride(2),
         new[0].stride(0) if new else 0, new[0].stride(1) if new else 0,
         window_left, softmax_scale, softcap, dtype, threads, _isa(isa), 1, int(shared_prefix), 0,
-        new[1].stride(0) if new else 0, new[1].stride(1) if new else 0,
+        new[1].stride(0) if new else 0, new[1].stride(1) if new else 0, page_dtype,
     )  # fmt: skip
     _raise_for_decode_status(lib.paged_decode(ctypes.byref(args)))
     if info is not None:
         info["groups"] = args.num_groups
     return out
+
+
+def _append_fp8(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor,
+) -> None:
+    """k, v [B, H_kv, D] rounded into fp8 pages at position ``cache_seqlens[b]`` of each request."""
+    block_size = k_cache.shape[1]
+    pos = cache_seqlens.long()  # [B]
+    blocks = block_table.gather(1, (pos // block_size).clamp_max(block_table.shape[1] - 1).unsqueeze(1))[:, 0]
+    if bool(((pos // block_size >= block_table.shape[1]) | (blocks < 0)).any()):
+        _raise_for_decode_status(2)
+    slots = blocks.long() * block_size + pos % block_size  # [B]
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        writable(cache).view(-1, *cache.shape[2:]).index_copy_(0, slots, to_pages(new, cache.dtype))
 
 
 class DecodeLayers:
@@ -477,6 +504,7 @@ def paged_prefill(
         batch, h, k_cache.shape[2], d, k_cache.shape[1], block_table.shape[1], k_cache.shape[0],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), 0, 0,
         window_left, softmax_scale, softcap, dtype, threads, _isa(isa), int(causal), 0, 0,
+        0, 0, _PAGE_DTYPES.get(k_cache.dtype, 0),
     )  # fmt: skip
     if lib.paged_prefill(ctypes.byref(args), total) != 0:
         raise MemoryError("paged prefill: the native kernel could not allocate its scratch memory")

@@ -32,9 +32,11 @@ from ..attention.step import StepMetadata
 from ..core.layers import LayerKinds
 from ..kernels import load_backend
 from ..kernels.base import AttentionBackend
+from ..kernels.kv_dtype import KV_CACHE_DTYPES
 from ..runtime import memory
 from ..runtime.config import PagedConfig
 from ..runtime.executor import CacheSize, LocalExecutor
+from ..runtime.kv_scales import kv_scales_for
 from ..runtime.placement import input_device
 
 T = TypeVar("T")
@@ -308,7 +310,9 @@ def run_worker(model: torch.nn.Module) -> WorkerReport | None:
     num_blocks = channel.agree_min(rank_blocks(model, config))
     device = input_device(model)
     layers = LayerKinds.from_config(model.config, share_pages=config.hybrid_kv)
-    cache = PagedAttentionCache(model.config, num_blocks, config.block_size, layers)
+    scales = kv_scales_for(model, config.kv_cache_dtype, len(layers.windows))  # each rank holds every layer's
+    cache = PagedAttentionCache(model.config, num_blocks, config.block_size, layers,
+                                KV_CACHE_DTYPES[config.kv_cache_dtype], scales)  # fmt: skip
     local = LocalExecutor(model, cache, load_backend(config.kernel, device))
     report = WorkerReport(num_blocks)
     while (message := channel.receive())[0] == "step":

@@ -11,6 +11,7 @@ import torch
 
 from ..core.policy import POLICIES
 from ..kernels import BACKENDS, KERNELS, resolve_kernel
+from ..kernels.kv_dtype import KV_CACHE_DTYPES
 from . import fp32_matmuls
 from .placement import kernel_device
 from .speculative.config import SpeculativeConfig
@@ -39,7 +40,17 @@ class PagedConfig:
             it, else triton on GPUs of compute capability 8.0 or newer (block size None or a power of two
             >= 16); torch elsewhere.
         enable_prefix_caching: share the KV blocks of identical prompt prefixes between requests.
-        memory_fraction: share of free device memory the cache may take when ``num_blocks`` is None.
+        memory_fraction: share of free device memory the cache may take when ``num_blocks`` and
+            ``kv_cache_memory_bytes`` are None.
+        kv_cache_memory_bytes: the cache's size in bytes (vLLM's name), every layer's K and V pages
+            together, when ``num_blocks`` is None; it replaces ``memory_fraction``. ``None``: sized
+            from ``memory_fraction``.
+        kv_cache_dtype: what the pages store (vLLM's names): ``"auto"`` (the default) the model's
+            dtype; ``"fp8"`` / ``"fp8_e4m3"`` (4 exponent, 3 mantissa bits) or ``"fp8_e5m2"`` (5, 2):
+            one byte per element, twice the tokens of a bf16 cache in the same memory, with per-layer
+            ``k_scale``/``v_scale`` from the checkpoint (else 1.0). Opt-in: check the model first
+            (docs/kv_cache.md). Only the torch kernels read fp8 pages, so on CUDA ``kernel="auto"``
+            picks torch for them.
         progress_bar: show a tqdm bar; ``None`` shows it only in an interactive terminal and only
             for more than a handful of requests.
         seed: seed of the sampling generator; ``None`` draws it from torch's global RNG, so
@@ -96,6 +107,8 @@ class PagedConfig:
     kernel: str = "auto"
     enable_prefix_caching: bool = True
     memory_fraction: float = 0.5
+    kv_cache_memory_bytes: int | None = None
+    kv_cache_dtype: str = "auto"
     progress_bar: bool | None = None
     seed: int | None = None
     scheduling_policy: str = "fcfs"
@@ -137,6 +150,12 @@ class PagedConfig:
             0.0 < self.memory_fraction <= 1.0
         ):
             raise ValueError(f"PagedConfig.memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
+        if self.kv_cache_memory_bytes is not None:
+            _require_positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"PagedConfig.kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
         if self.progress_bar is not None and not isinstance(self.progress_bar, bool):
             raise ValueError(f"PagedConfig.progress_bar must be None or a bool, got {self.progress_bar!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
@@ -170,8 +189,15 @@ class PagedConfig:
         graphs can run, ``compile=None`` whether the forward compiles, ``fp32_matmuls=None`` whether
         half-precision matmuls run in float32 and ``adaptive_threads=None`` whether steps choose their
         thread count."""
-        kernel = resolve_kernel(self.kernel, device, self.block_size, dtype, sinks, head_dim)
+        page_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype]
+        kernel = resolve_kernel(self.kernel, device, self.block_size, dtype, sinks, head_dim, page_dtype)
         backend = BACKENDS[kernel]
+        if page_dtype is not None and not backend.supports_fp8_pages:
+            readers = [name for name, b in BACKENDS.items() if b.supports_fp8_pages]
+            raise ValueError(
+                f"PagedConfig.kv_cache_dtype={self.kv_cache_dtype!r} needs a kernel that reads fp8 pages "
+                f"{readers}, got kernel={kernel!r}; use kernel='auto' or kv_cache_dtype='auto'"
+            )
         block_size = self.block_size or backend.default_block_size(device)
         backend.check_block_size(block_size)
         graphs_can_run = device.type == "cuda" and backend.graph_safe

@@ -22,10 +22,12 @@ from ..core.policy import POLICIES
 from ..core.request import Request, RequestOutput, validate_prompt
 from ..core.scheduler import Scheduler, SchedulerOutput
 from ..kernels import load_backend
+from ..kernels.kv_dtype import KV_CACHE_DTYPES, page_dtype
 from .batch_api import BatchAPI
 from .beam import BeamGroup
 from .config import LOGPROBS_MODES, PagedConfig
 from .executor import Launcher, choose_launcher
+from .kv_scales import kv_scales_for
 from .lockstep import Lockstep
 from .marks import marks_for
 from .placement import input_device, layer_kinds
@@ -88,7 +90,10 @@ class ContinuousBatchingEngine(BatchAPI):
         self.kv = KVBlockManager(self.allocator, config.block_size, self.layers, config.max_batch_tokens)
         policy = POLICIES[config.scheduling_policy]
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_batch_tokens, policy)
-        self.cache = PagedAttentionCache(model.config, size.num_pages, config.block_size, self.layers)
+        self.kv_dtype = page_dtype(config.kv_cache_dtype, next(model.parameters()).dtype)  # the pages'
+        scales = kv_scales_for(model, config.kv_cache_dtype, len(self.layers.windows))
+        self.cache = PagedAttentionCache(model.config, size.num_pages, config.block_size, self.layers,
+                                         KV_CACHE_DTYPES[config.kv_cache_dtype], scales)  # fmt: skip
         self.executor = launcher.executor(model, self.cache, self.backend, config, self.layers, size)
         seed = config.seed if config.seed is not None else int(torch.randint(0, 2**62, ()).item())
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -330,7 +335,8 @@ class ContinuousBatchingEngine(BatchAPI):
 
     @property
     def stats(self) -> EngineStats:
-        return self.counters.snapshot(self.scheduler, self.kv, self.intake.num_incoming)
+        dtype = str(self.kv_dtype).removeprefix("torch.")
+        return self.counters.snapshot(self.scheduler, self.kv, self.intake.num_incoming, dtype)
 
     def shutdown(self) -> None:
         """Release what the executor holds (a tensor-parallel engine ends the other ranks' loop) and take the

@@ -14,6 +14,7 @@ from transformers import PreTrainedConfig
 from ..core.blocks import blocks_for
 from ..core.kv_manager import blocks_at_peak
 from ..core.layers import AttentionGroup, LayerKinds
+from ..kernels.kv_dtype import page_dtype
 from .config import PagedConfig
 from .placement import layer_devices
 
@@ -55,10 +56,12 @@ def blocks_from_memory(
     free_bytes: Callable[[torch.device], int] | None = None,
     layers_per_block: int | None = None,
     num_kv_heads: int | None = None,
+    memory_bytes: int | None = None,
 ) -> int:
     """How many blocks fit everywhere: one block id spans every layer, so each device must hold a
     block's pages for each of its layers. The minimum over devices of
-    ``free_bytes(device) * memory_fraction // (bytes per block per layer * layers on device)``.
+    ``free_bytes(device) * memory_fraction // (bytes per block per layer * layers on device)``, or of
+    ``memory_bytes // (...)`` when given (``PagedConfig.kv_cache_memory_bytes``: each device's budget).
 
     ``dtype`` is the K/V dtype (default: the model's parameters'; offloaded ``meta`` parameters keep
     theirs). ``free_bytes``: free bytes of a device (default: ``free_memory_bytes``, looked up at
@@ -72,6 +75,8 @@ def blocks_from_memory(
     counts = Counter(layer_devices(model))
     if layers_per_block is not None:
         counts = Counter({device: layers_per_block for device in counts})
+    if memory_bytes is not None:
+        return min(memory_bytes // (per_layer * n) for n in counts.values())
     free_bytes = free_bytes or (lambda device: free_memory_bytes(device))
     return min(int(free_bytes(device) * memory_fraction) // (per_layer * n) for device, n in counts.items())
 
@@ -83,15 +88,17 @@ def fitting_blocks(
     free_bytes: Callable[[torch.device], int] | None = None,
     num_kv_heads: int | None = None,
 ) -> int:
-    """The engine's ``num_blocks`` when none is given: what ``config.memory_fraction`` of the free
-    memory holds (``blocks_from_memory``), capped at what ``config.max_num_seqs`` requests can use.
+    """The engine's ``num_blocks`` when none is given: what ``config.kv_cache_memory_bytes`` or
+    ``config.memory_fraction`` of the free memory holds in pages of ``config.kv_cache_dtype``
+    (``blocks_from_memory``), capped at what ``config.max_num_seqs`` requests can use.
     ``num_kv_heads``: as ``bytes_per_block``."""
     max_position = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 4096
     useful = config.max_num_seqs * blocks_for(max_position, config.block_size)
     slots = layers.num_slots if len(layers.groups) > 1 else None
+    dtype = page_dtype(config.kv_cache_dtype, next(model.parameters()).dtype)
     fits = blocks_from_memory(
-        model, config.block_size, config.memory_fraction, free_bytes=free_bytes, layers_per_block=slots,
-        num_kv_heads=num_kv_heads,
+        model, config.block_size, config.memory_fraction, dtype, free_bytes=free_bytes, layers_per_block=slots,
+        num_kv_heads=num_kv_heads, memory_bytes=config.kv_cache_memory_bytes,
     )  # fmt: skip
     return max(1, min(fits, useful * len(layers.groups)))
 

@@ -33,6 +33,7 @@ class EngineStats:
     # Tokens each attention group's tables can hold now (``KVBlockManager.token_capacity``): what
     # they hold plus the whole free pool, which the groups share. One entry with one table.
     token_capacity_per_group: tuple[int, ...] = ()
+    kv_cache_dtype: str = ""  # what the pages store: the model's dtype, or float8_e4m3fn / float8_e5m2
     num_draft_tokens: int = 0  # speculative decoding: tokens proposed and verified
     num_accepted_tokens: int = 0  # of those, accepted (each step emits them and one more token)
 
@@ -71,7 +72,9 @@ class StepCounters:
                 self.kv_waste_at_peak = waste()
                 self.waste_measured_at = num_used_blocks
 
-    def snapshot(self, scheduler: Scheduler, kv: KVBlockManager, num_incoming: int) -> EngineStats:
+    def snapshot(
+        self, scheduler: Scheduler, kv: KVBlockManager, num_incoming: int, kv_cache_dtype: str = ""
+    ) -> EngineStats:
         return EngineStats(
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting) + num_incoming,
@@ -91,4 +94,5 @@ class StepCounters:
             token_capacity_per_group=tuple(kv.token_capacity()),
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
+            kv_cache_dtype=kv_cache_dtype,
         )

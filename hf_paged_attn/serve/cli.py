@@ -81,6 +81,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--block-size", type=int)
     g.add_argument("--num-blocks", type=int)
     g.add_argument("--memory-fraction", type=float)
+    g.add_argument("--kv-cache-memory-bytes", type=int, metavar="N",
+                   help="the KV cache's size in bytes (vLLM's flag), instead of --memory-fraction")
+    g.add_argument("--kv-cache-dtype", metavar="DTYPE",
+                   help="auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2: one byte per K/V element, "
+                        "twice a bf16 cache's tokens; check the model first (docs/kv_cache.md)")
     g.add_argument("--max-num-seqs", type=int)
     g.add_argument("--max-batch-tokens", type=int)
     g.add_argument("--kernel")
@@ -115,8 +120,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def paged_config(args: argparse.Namespace) -> PagedConfig:
     """The PagedConfig the flags describe (ValueError naming a bad field)."""
-    names = ("block_size", "num_blocks", "memory_fraction", "max_num_seqs", "max_batch_tokens", "kernel",
-             "scheduling_policy", "logprobs_mode")
+    names = ("block_size", "num_blocks", "memory_fraction", "kv_cache_memory_bytes", "kv_cache_dtype", "max_num_seqs",
+             "max_batch_tokens", "kernel", "scheduling_policy", "logprobs_mode")
     fields = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     if args.no_prefix_caching:
         fields["enable_prefix_caching"] = False

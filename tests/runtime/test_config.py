@@ -66,7 +66,7 @@ def test_for_model_sees_attention_sinks_and_the_head_dim(monkeypatch):
     import hf_paged_attn.kernels as kernels
 
     seen = []
-    monkeypatch.setattr(kernels, "resolve_kernel", lambda *args: seen.append(args[-2:]) or "torch")  # sinks, head dim
+    monkeypatch.setattr(kernels, "resolve_kernel", lambda *args: seen.append(args[4:6]) or "torch")  # sinks, head dim
     monkeypatch.setattr("hf_paged_attn.runtime.config.resolve_kernel", kernels.resolve_kernel)
     config = GptOssConfig(
         vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,

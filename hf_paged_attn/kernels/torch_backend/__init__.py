@@ -26,6 +26,7 @@ __all__ = ["TorchBackend", "paged_decode_attention", "paged_prefill_attention", 
 class TorchBackend(AttentionBackend):
     name = "torch"
     block_size_rule = "positive"
+    supports_fp8_pages = True  # gathers widen them; the native CPU kernels convert them in registers
     # not graph-safe: it plans its decode on the host (lengths and buckets read back from the device)
 
     @staticmethod

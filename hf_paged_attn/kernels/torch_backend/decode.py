@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import cpu_native
+from ..kv_dtype import to_pages, writable
 from .dense import explicit_attention, key_visibility
 
 
@@ -243,11 +244,12 @@ def _append(
     """Write the new token of each request in place at its flat slot [B]. caches [num_blocks, block_size,
     H_kv, D]; k, v [B, 1, H_kv, D]."""
     for cache, new in ((k_cache, k), (v_cache, v)):
+        rounded = to_pages(new[:, 0], cache.dtype)  # [B, H_kv, D]; fp8 pages: their uint8 bytes
         if cache.is_contiguous():
-            cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, new[:, 0].to(cache.dtype))  # [B, H_kv, D]
+            writable(cache).view(-1, *cache.shape[2:]).index_copy_(0, slots, rounded)
         else:
             block_size = cache.shape[1]
-            cache[slots // block_size, slots % block_size] = new[:, 0].to(cache.dtype)
+            writable(cache)[slots // block_size, slots % block_size] = rounded
 
 
 def _shared_prefixes(block_table: torch.Tensor, lens: list[int], block_size: int) -> list[tuple[list[int], int]]:

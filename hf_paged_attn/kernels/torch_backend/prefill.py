@@ -14,15 +14,17 @@ from dataclasses import dataclass
 import torch
 
 from .. import cpu_native
+from ..kv_dtype import to_pages, writable
 from .varlen import varlen_attention
 
 
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """k, v [N, H_kv, D] written at the flat slots [N] of the pages [num_blocks, block_size, H_kv, D]."""
+    """k, v [N, H_kv, D] written at the flat slots [N] of the pages [num_blocks, block_size, H_kv, D],
+    rounded to the pages' dtype (fp8 pages: ``kv_dtype.to_pages``)."""
     for cache, new in ((k_cache, k), (v_cache, v)):
-        cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, new.to(cache.dtype))
+        writable(cache).view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, to_pages(new, cache.dtype))
 
 
 @dataclass(slots=True)
@@ -147,8 +149,8 @@ def paged_prefill_attention(
             out[plan.one_rows] = one[:, 0]
     if plan.rows is not None:
         hk, d = k_cache.shape[2], k_cache.shape[3]
-        keys = k_cache.view(-1, hk, d).index_select(0, plan.slots)  # [K, H_kv, D]
-        values = v_cache.view(-1, hk, d).index_select(0, plan.slots)
+        keys = k_cache.view(-1, hk, d).index_select(0, plan.slots).to(q.dtype)  # [K, H_kv, D]; fp8 pages widened
+        values = v_cache.view(-1, hk, d).index_select(0, plan.slots).to(q.dtype)
         out[plan.rows] = varlen_attention(
             q[plan.rows], keys, values, plan.cu_q, plan.cu_k, 0, 0, softmax_scale=softmax_scale, causal=causal,
             window_size=window, softcap=softcap, sinks=sinks, memo=plan.memo,
