@@ -3,6 +3,7 @@ the scheduler's plan, the executor's forward, the update from its logits."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import weakref
@@ -22,6 +23,7 @@ from ..core.policy import POLICIES
 from ..core.request import Request, RequestOutput, validate_prompt
 from ..core.scheduler import Scheduler, SchedulerOutput
 from ..kernels import load_backend
+from . import lora
 from .batch_api import BatchAPI
 from .beam import BeamGroup
 from .config import LOGPROBS_MODES, PagedConfig
@@ -55,7 +57,9 @@ class ContinuousBatchingEngine(BatchAPI):
         num_blocks: int | None = None,
         launcher: Launcher | None = None,
     ) -> None:
-        """``num_blocks`` (or ``config.num_blocks``): the memory of that many blocks in every layer."""
+        """``num_blocks`` (or ``config.num_blocks``): the memory of that many blocks in every layer. A PEFT
+        ``PeftModel`` of LoRA adapters runs its base model, each request under its own adapter (``lora.py``)."""
+        model = lora.base_of(model)
         check_paged_model(model, hf.attn_implementation(model))
         self.model = model
         # What the engine puts on the model (``marks.py``) is there from now until ``shutdown`` (or until the
@@ -75,7 +79,11 @@ class ContinuousBatchingEngine(BatchAPI):
         num_blocks: int | None,
         launcher: Launcher | None,
     ) -> None:
-        self.config = config = (config or PagedConfig()).for_model(model)  # the concrete kernel and block size
+        self.lora = lora.attach(model, marks_for(model))  # None: the model has no LoRA layer
+        config = config or PagedConfig()
+        if self.lora is not None:
+            config = _lora_config(model, config)
+        self.config = config = config.for_model(model)  # the concrete kernel and block size
         self.generation_config = generation_config or model.generation_config
         self.device = input_device(model)  # not model.device: with accelerate's offload that may be "meta"
         self.max_position_embeddings = getattr(model.config.get_text_config(), "max_position_embeddings", None)
@@ -121,6 +129,7 @@ class ContinuousBatchingEngine(BatchAPI):
         prompt_logprobs: int | None = None,
         ignore_eos: bool = False,
         logprobs_mode: str | None = None,
+        adapter_name: str | None = None,
     ) -> str:
         """Queue one prompt; returns its request id. Bad input raises ValueError and queues nothing.
 
@@ -141,6 +150,8 @@ class ContinuousBatchingEngine(BatchAPI):
         end it; processors still see the EOS (``min_new_tokens``). Not with ``structured``.
         ``logprobs_mode``: ``"processed_logprobs"`` or ``"raw_logprobs"`` (None: ``PagedConfig.logprobs_mode``),
         the distribution ``logprobs`` are taken from.
+        ``adapter_name``: the LoRA adapter the request runs under (None or ``"__base__"``: the base model),
+        one of the model's PEFT adapters.
         """
         if self._sleep is not None:
             raise RuntimeError("the engine is asleep: call wake_up() before adding requests")
@@ -163,6 +174,7 @@ class ContinuousBatchingEngine(BatchAPI):
             raw_logprobs=logprobs_mode == "raw_logprobs",
         )  # fmt: skip
         request = Request("", prompt, max_new_tokens, sampling, arrival=0, priority=priority)
+        request.adapter = self._adapter(adapter_name)
         if prompt_logprobs is not None:
             if isinstance(prompt_logprobs, bool) or not isinstance(prompt_logprobs, int) or prompt_logprobs < 0:
                 raise ValueError(f"prompt_logprobs must be None or an int >= 0, got {prompt_logprobs!r}")
@@ -184,6 +196,15 @@ class ContinuousBatchingEngine(BatchAPI):
                 "(PagedConfig.num_blocks: blocks in every layer)"
             )
         return self.intake.add(request, request_id, num_siblings=max(int(config.num_return_sequences or 1) - 1, 0))
+
+    def _adapter(self, name: str | None) -> str | None:
+        """The adapter a request names, checked: None for the base model."""
+        if name is None or name == lora.BASE:
+            return None
+        known = self.lora.adapters if self.lora is not None else set()
+        if name not in known:
+            raise ValueError(f"unknown adapter {name!r}: the model's LoRA adapters are {sorted(known)}")
+        return name
 
     def _matcher(self, structured: object, tokenizer: object | None, eos_ids: frozenset[int], num_beams: int) -> object:
         """A fresh grammar matcher for a constrained request (its children clone it)."""
@@ -302,7 +323,8 @@ class ContinuousBatchingEngine(BatchAPI):
             scored = prompt_scoring(plan.scheduled)  # prompt_logprobs: the positions this step scores
             step = build_step(plan.scheduled, self.config.block_size, self.device, self.layers,
                               block_copies=plan.block_copies, drafts=drafts, scored=scored)  # fmt: skip
-            logits = self.executor.execute(step)
+            with self.lora.step(step) if self.lora is not None else contextlib.nullcontext():
+                logits = self.executor.execute(step)
         except Exception as exc:  # one failing step must not take the engine down
             return self.updater.fail(plan, exc)
         self.counters.num_steps += 1
@@ -347,3 +369,14 @@ class ContinuousBatchingEngine(BatchAPI):
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
+
+
+def _lora_config(model: torch.nn.Module, config: PagedConfig) -> PagedConfig:
+    """``config`` for a model with LoRA layers: eager forwards (a compiled forward or a CUDA graph would
+    freeze one step's adapter rows), one process (no tensor-parallel sharding of A and B yet)."""
+    if (getattr(model, "tp_size", None) or 1) > 1:
+        raise NotImplementedError("LoRA adapters on a tensor-parallel model are not supported by the paged engine")
+    for name in ("compile", "cuda_graphs"):
+        if getattr(config, name):
+            raise ValueError(f"PagedConfig.{name}=True cannot run LoRA adapters (their rows change every step)")
+    return config.replace(compile=False, cuda_graphs=False)
