@@ -59,9 +59,11 @@ class ContinuousBatchingEngine(BatchAPI):
     ) -> None:
         """``num_blocks`` (or ``config.num_blocks``): the memory of that many blocks in every layer. A PEFT
         ``PeftModel`` of LoRA adapters runs its base model, each request under its own adapter (``lora.py``)."""
-        model = lora.base_of(model)
+        wrapper, model = model, lora.base_of(model)
         check_paged_model(model, hf.attn_implementation(model))
         self.model = model
+        self._peft = wrapper if wrapper is not model else None  # the PeftModel adapters load through
+        self._adapters_loaded: set[str] = set()  # names load_adapter has loaded
         # What the engine puts on the model (``marks.py``) is there from now until ``shutdown`` (or until the
         # engine is collected): the launcher and executor put theirs through the model's marks.
         self._release_marks = weakref.finalize(self, marks_for(model).open())
@@ -201,9 +203,8 @@ class ContinuousBatchingEngine(BatchAPI):
         """The adapter a request names, checked: None for the base model."""
         if name is None or name == lora.BASE:
             return None
-        known = self.lora.adapters if self.lora is not None else set()
-        if name not in known:
-            raise ValueError(f"unknown adapter {name!r}: the model's LoRA adapters are {sorted(known)}")
+        if name not in self.adapters:
+            raise ValueError(f"unknown adapter {name!r}: the model's LoRA adapters are {sorted(self.adapters)}")
         return name
 
     def _matcher(self, structured: object, tokenizer: object | None, eos_ids: frozenset[int], num_beams: int) -> object:
@@ -248,6 +249,38 @@ class ContinuousBatchingEngine(BatchAPI):
     def load_weights_from_dir(self, path: str | os.PathLike[str]) -> int:
         """``load_weights`` of every tensor in the ``*.safetensors`` files of directory ``path``."""
         return self._new_weights(load_directory(self.model, path))
+
+    def load_adapter(self, name: str, path: str | os.PathLike[str]) -> None:
+        """Load the PEFT LoRA adapter saved at ``path`` as ``name`` (through PEFT's ``load_adapter``; a model
+        without one gets a ``PeftModel``); later requests may name it. ValueError for a name in use, an
+        engine with a compiled forward or CUDA graphs; NotImplementedError for an adapter ``lora.py`` refuses."""
+        if self.config.compile or self.config.cuda_graphs:
+            raise ValueError("LoRA adapters need eager forwards: an engine with compile=False, cuda_graphs=False")
+        if name == lora.BASE or name in self.adapters:
+            raise ValueError(f"adapter name {name!r} is in use")
+        self._peft = lora.load_adapter(self.model, self._peft, name, os.fspath(path))
+        self.lora = lora.attach(self.model, marks_for(self.model))
+        if name in self._adapters_loaded:  # K/V cached under an earlier adapter of that name is stale
+            self.reset_prefix_cache()
+        self._adapters_loaded.add(name)
+
+    def unload_adapter(self, name: str) -> None:
+        """Delete adapter ``name`` from the model (PEFT's ``delete_adapter``). RuntimeError while a live request
+        runs under it; ValueError for a name the model does not hold."""
+        if name not in self.adapters or self._peft is None:
+            raise ValueError(f"unknown adapter {name!r}")
+        if self.adapter_in_use(name):
+            raise RuntimeError(f"adapter {name!r} has requests in flight")
+        self._peft.delete_adapter(name)
+
+    @property
+    def adapters(self) -> set[str]:
+        """The names of the model's LoRA adapters (``add_request(adapter_name=)``)."""
+        return self.lora.adapters if self.lora is not None else set()
+
+    def adapter_in_use(self, name: str) -> bool:
+        """Whether a live request (queued or running) runs under adapter ``name``."""
+        return any(r.adapter == name for r in list(self.intake.live.values()))
 
     # ----------------------------------------------------------------------------- sleep and wake
     # Like the three above: from the thread that steps, or while none does.

@@ -95,6 +95,25 @@ def lora_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
+def load_adapter(model: torch.nn.Module, peft_model: torch.nn.Module | None, name: str, path: str) -> torch.nn.Module:
+    """Load the PEFT LoRA adapter at ``path`` into ``model`` as ``name``: through ``peft_model`` (its
+    ``PeftModel``), or a new ``PeftModel`` over ``model`` if it has none yet, which is returned. An adapter
+    the engine can't run (``lora_layers``) is deleted again and its NotImplementedError raised."""
+    from peft import PeftModel
+
+    if peft_model is None:
+        peft_model = PeftModel.from_pretrained(model, path, adapter_name=name)
+    else:
+        peft_model.load_adapter(path, adapter_name=name)
+    peft_model.eval()
+    try:
+        lora_layers(model)
+    except NotImplementedError:
+        peft_model.delete_adapter(name)
+        raise
+    return peft_model
+
+
 class LoraRouter:
     """The LoRA layers of one model and the row groups of the step running now (``step``)."""
 

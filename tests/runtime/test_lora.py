@@ -170,3 +170,25 @@ def test_merged_adapter_is_refused(llama_dir):
     model.merge_adapter()
     with pytest.raises(NotImplementedError, match="unmerge_adapter"):
         ContinuousBatchingEngine(model, PagedConfig(block_size=4, num_blocks=16))
+
+
+def test_engine_loads_and_unloads_adapters(llama_dir, adapter_dirs, models):
+    """``engine.load_adapter`` on a model that had none (it gets a PeftModel), and ``unload_adapter``."""
+    ref, _ = models
+    base = AutoModelForCausalLM.from_pretrained(llama_dir, attn_implementation="paged", dtype=torch.float32).eval()
+    prompt = PROMPTS[2]
+    with ContinuousBatchingEngine(base, PagedConfig(block_size=4, num_blocks=64, enable_prefix_caching=True)) as engine:
+        assert engine.adapters == set()
+        engine.load_adapter("x", adapter_dirs["a"])
+        assert engine.adapters == {"x"}
+        (out,) = engine.collect([engine.add_request(prompt, max_new_tokens=NEW, adapter_name="x")])
+        assert out.output_ids == reference(ref, prompt, "a")
+        engine.add_request(prompt, max_new_tokens=NEW, adapter_name="x")
+        with pytest.raises(RuntimeError, match="in flight"):
+            engine.unload_adapter("x")
+        list(engine.stream())
+        engine.unload_adapter("x")
+        assert engine.adapters == set()
+        engine.load_adapter("x", adapter_dirs["b"])  # the same name, other weights: nothing cached under "x" serves
+        (out,) = engine.collect([engine.add_request(prompt, max_new_tokens=NEW, adapter_name="x")])
+        assert out.num_cached_tokens == 0 and out.output_ids == reference(ref, prompt, "b")
