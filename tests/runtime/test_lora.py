@@ -192,3 +192,27 @@ def test_engine_loads_and_unloads_adapters(llama_dir, adapter_dirs, models):
         engine.load_adapter("x", adapter_dirs["b"])  # the same name, other weights: nothing cached under "x" serves
         (out,) = engine.collect([engine.add_request(prompt, max_new_tokens=NEW, adapter_name="x")])
         assert out.num_cached_tokens == 0 and out.output_ids == reference(ref, prompt, "b")
+
+
+def test_peft_mixed_batch_with_beam_search(models):
+    """PEFT repeats each row's adapter per beam; every beam of a row runs its row's adapter."""
+    ref, paged = models
+    ids, mask = left_padded(PROMPTS[:3])
+    kwargs = dict(attention_mask=mask, adapter_names=NAMES[:3], max_new_tokens=NEW, do_sample=False, num_beams=2)
+    want = ref.generate(input_ids=ids, **kwargs)
+    got = paged.generate(input_ids=ids, **kwargs)
+    assert got.tolist() == want.tolist()
+
+
+def test_prompt_lookup_speculation_under_adapters(models):
+    """A verify step's draft rows belong to their request: they run its adapter."""
+    from transformers import GenerationConfig
+
+    ref, paged = models
+    prompt = PROMPTS[3] * 3  # repeats: prompt lookup proposes
+    spec = GenerationConfig(prompt_lookup_num_tokens=3, do_sample=False)
+    with ContinuousBatchingEngine(paged, PagedConfig(block_size=4, num_blocks=128)) as engine:
+        ids = [engine.add_request(prompt, max_new_tokens=NEW, generation_config=spec, adapter_name=a) for a in "ab"]
+        got = [o.output_ids for o in engine.collect(ids)]
+        assert engine.stats.num_draft_tokens > 0
+    assert got == [reference(ref, prompt, "a"), reference(ref, prompt, "b")]
