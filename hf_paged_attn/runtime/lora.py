@@ -49,7 +49,7 @@ def base_of(model: torch.nn.Module) -> torch.nn.Module:
     if not isinstance(model, PeftModel):
         return model
     for name, config in model.peft_config.items():
-        if str(config.peft_type.value if hasattr(config.peft_type, "value") else config.peft_type) != "LORA":
+        if config.peft_type != "LORA":  # PeftType is a str enum
             raise NotImplementedError(
                 f"adapter {name!r} is a PEFT {config.peft_type} adapter: the paged engine runs LoRA adapters only"
             )

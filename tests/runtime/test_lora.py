@@ -216,3 +216,12 @@ def test_prompt_lookup_speculation_under_adapters(models):
         got = [o.output_ids for o in engine.collect(ids)]
         assert engine.stats.num_draft_tokens > 0
     assert got == [reference(ref, prompt, "a"), reference(ref, prompt, "b")]
+
+
+def test_other_peft_adapters_are_refused(llama_dir):
+    from peft import IA3Config
+
+    base = AutoModelForCausalLM.from_pretrained(llama_dir, attn_implementation="paged")
+    model = get_peft_model(base, IA3Config(target_modules=["q_proj", "down_proj"], feedforward_modules=["down_proj"]))
+    with pytest.raises(NotImplementedError, match="IA3 adapter: the paged engine runs LoRA adapters only"):
+        ContinuousBatchingEngine(model.eval(), PagedConfig(block_size=4, num_blocks=16))
