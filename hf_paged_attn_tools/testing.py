@@ -59,6 +59,28 @@ def save_random_model(config: PreTrainedConfig, directory: str | Path | None = N
     return directory
 
 
+def save_random_lora(
+    base_directory: str, directory: str | Path | None = None, seed: int = 0, std: float = 0.1, **lora_config
+) -> str:
+    """A PEFT LoRA adapter of the model in ``base_directory`` (``LoraConfig(**lora_config)``; default rank 8
+    on q_proj and v_proj), ``save_pretrained`` to ``directory``; returns it. PEFT starts B at zero, an
+    adapter that changes nothing: B is drawn from N(0, ``std``) instead."""
+    from peft import LoraConfig, get_peft_model
+
+    directory = str(directory or tempfile.mkdtemp(prefix="hf_paged_attn_lora_"))
+    base = AutoModelForCausalLM.from_pretrained(base_directory)
+    options = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    options.update(lora_config)
+    model = get_peft_model(base, LoraConfig(**options))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+    model.save_pretrained(directory)
+    return directory
+
+
 def load_pair(directory: str, reference: str = "sdpa", dtype: torch.dtype = torch.float32):
     """(reference model, paged model) loaded from the same weights with ``from_pretrained``."""
     ref = AutoModelForCausalLM.from_pretrained(directory, attn_implementation=reference, dtype=dtype).eval()

@@ -48,6 +48,8 @@ class StepMetadata:
     groups: tuple[GroupTables, ...]
     block_copies: tuple[tuple[int, int], ...] = ()  # copy on write before the forward: (src, dst) blocks
     has_beams: bool = False  # a beam search's beams are among the requests
+    # the LoRA adapter of each request (None: the base model); () when every request runs the base model
+    adapters: tuple[str | None, ...] = ()
 
     # group 0's tables under the names of the spec (cu_seq_lens_k, max_length_k, block_table, ...)
     @property
@@ -156,6 +158,7 @@ def build_step(
         groups=groups,
         block_copies=tuple(block_copies),
         has_beams=any(s.request.group is not None for s in scheduled),
+        adapters=tuple(s.request.adapter for s in scheduled) if any(s.request.adapter for s in scheduled) else (),
     )
 
 

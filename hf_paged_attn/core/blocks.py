@@ -23,6 +23,12 @@ PrefixKey = tuple[int, bytes, tuple[int, ...]]  # (group, digest of the tokens b
 ROOT_DIGEST = b""
 
 
+def root_digest(adapter: str | None) -> bytes:
+    """The digest a request's chain starts from: ``ROOT_DIGEST`` for the base model, one of its own for
+    each LoRA adapter (the same tokens under another adapter are other K/V)."""
+    return ROOT_DIGEST if adapter is None else hashlib.sha256(b"lora-adapter\0" + adapter.encode()).digest()
+
+
 def chain_digest(previous: bytes, tokens: tuple[int, ...]) -> bytes:
     """Digest of a prefix: that of the prefix before this block, extended by the block's tokens."""
     return hashlib.sha256(previous + array("q", tokens).tobytes()).digest()
@@ -130,11 +136,11 @@ class BlockAllocator:
         """The block holding ``key``'s content, held or free, or None."""
         return self._cached.get(key) if self.enable_prefix_caching else None
 
-    def lookup(self, token_blocks: list[tuple[int, ...]], group: int = 0) -> list[int]:
+    def lookup(self, token_blocks: list[tuple[int, ...]], group: int = 0, adapter: str | None = None) -> list[int]:
         """The longest run of cached blocks holding ``token_blocks`` (each a full block's ids) from
-        a sequence's start, in ``group``."""
+        a sequence's start, in ``group``, computed under ``adapter`` (None: the base model)."""
         hits: list[int] = []
-        digest = ROOT_DIGEST
+        digest = root_digest(adapter)
         for tokens in token_blocks:
             block = self.cached((group, digest, tokens))
             if block is None:

@@ -9,7 +9,7 @@ tokens) and what left (``release``).
 
 from __future__ import annotations
 
-from .blocks import RELEASED, ROOT_DIGEST, BlockAllocator, PrefixKey, blocks_for, chain_digest
+from .blocks import RELEASED, BlockAllocator, PrefixKey, blocks_for, chain_digest, root_digest
 from .layers import AttentionGroup, LayerKinds
 from .request import Request
 
@@ -153,12 +153,13 @@ class KVBlockManager:
     def _key(self, request: Request, group: int, index: int) -> PrefixKey:
         """Prefix-cache key of full block ``index`` of ``request`` in ``group``. The digests of the
         blocks before it are kept on the request (its tokens are only ever appended), so each
-        block is hashed once in the request's life, not once per block that fills after it."""
-        size, digests = self.block_size, request.block_digests
+        block is hashed once in the request's life, not once per block that fills after it. The chain
+        starts from the request's adapter's root: two adapters never share a block."""
+        size, digests, root = self.block_size, request.block_digests, root_digest(request.adapter)
         while len(digests) < index:  # digests[i]: every token up to the end of block i
             i = len(digests)
-            digests.append(chain_digest(digests[-1] if i else ROOT_DIGEST, tuple(request.token_slice(i * size, size))))
-        return (group, digests[index - 1] if index else ROOT_DIGEST, tuple(request.token_slice(index * size, size)))
+            digests.append(chain_digest(digests[-1] if i else root, tuple(request.token_slice(i * size, size))))
+        return (group, digests[index - 1] if index else root, tuple(request.token_slice(index * size, size)))
 
     # ------------------------------------------------------------------ growth
     def reserve(self, request: Request, num_new: int) -> bool:

@@ -102,6 +102,9 @@ class Request:
     # missing the prefix cache serves the request nothing (a hit would skip its positions).
     num_prompt_logprobs: int | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # The LoRA adapter every token of the request runs under (None: the base model); its name roots
+    # the request's prefix-cache digests, so K/V computed under one adapter never serves another.
+    adapter: str | None = None
 
     @property
     def block_tables(self) -> list[list[int]]:
@@ -206,6 +209,7 @@ class Request:
             # the parent scores the prompt they share; the list it fills is theirs too
             num_prompt_logprobs=self.num_prompt_logprobs,
             prompt_logprobs=self.prompt_logprobs,
+            adapter=self.adapter,
         )
 
 

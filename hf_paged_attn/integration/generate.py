@@ -21,6 +21,7 @@ from ..parallel.tensor_parallel import is_driver, on_driver
 from ..runtime.config import PagedConfig
 from ..runtime.engine import ContinuousBatchingEngine
 from ..runtime.lockstep import Lockstep
+from ..runtime.lora import generate_adapters
 from ..runtime.memory import blocks_for_batch
 from ..runtime.placement import input_device, layer_kinds
 from ..runtime.sampling import RUN_ANYWAY, make_stopping_criteria
@@ -105,6 +106,8 @@ def paged_generate(
             raise NotImplementedError(f"assistant_model with num_beams={num_beams}: beam search does not speculate")
         k = kwargs.get("num_assistant_tokens") or getattr(generation_config, "num_assistant_tokens", None)
         paged_config = paged_config.replace(speculative=with_draft(paged_config.speculative, assistant, k))
+    # PEFT's generate(adapter_names=) or its active adapter, per row (None: the model has no LoRA layer)
+    adapters = generate_adapters(model, input_ids.shape[0], num_beams) or [None] * input_ids.shape[0]
     lengths = [len(p) for p in prompts]
     layers = layer_kinds(model, paged_config.hybrid_kv)  # the engine's groups
     exact_fit = blocks_for_batch(lengths, max_new_tokens, paged_config, layers.groups, max(num_sequences, num_beams))
@@ -136,7 +139,8 @@ def paged_generate(
     def run() -> list[RequestOutput]:
         engine = ContinuousBatchingEngine(model, paged_config, config, num_blocks=paged_config.num_blocks or exact_fit)
         engines.append(engine)
-        ids = engine.add_all([dict(input_ids=p, padding=pad, **common) for p, pad in zip(prompts, paddings)])
+        ids = engine.add_all([dict(input_ids=p, padding=pad, adapter_name=adapter, **common)
+                              for p, pad, adapter in zip(prompts, paddings, adapters)])  # fmt: skip
         if lockstep is not None:
             live = engine.intake.live
             lockstep.bind([[live[rid], *live[rid].children] for rid in ids])

@@ -3,6 +3,7 @@ the scheduler's plan, the executor's forward, the update from its logits."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import weakref
@@ -23,6 +24,7 @@ from ..core.request import Request, RequestOutput, validate_prompt
 from ..core.scheduler import Scheduler, SchedulerOutput
 from ..kernels import load_backend
 from ..kernels.kv_dtype import KV_CACHE_DTYPES, page_dtype
+from . import lora
 from .batch_api import BatchAPI
 from .beam import BeamGroup
 from .config import LOGPROBS_MODES, PagedConfig
@@ -57,9 +59,13 @@ class ContinuousBatchingEngine(BatchAPI):
         num_blocks: int | None = None,
         launcher: Launcher | None = None,
     ) -> None:
-        """``num_blocks`` (or ``config.num_blocks``): the memory of that many blocks in every layer."""
+        """``num_blocks`` (or ``config.num_blocks``): the memory of that many blocks in every layer. A PEFT
+        ``PeftModel`` of LoRA adapters runs its base model, each request under its own adapter (``lora.py``)."""
+        wrapper, model = model, lora.base_of(model)
         check_paged_model(model, hf.attn_implementation(model))
         self.model = model
+        self._peft = wrapper if wrapper is not model else None  # the PeftModel adapters load through
+        self._adapters_loaded: set[str] = set()  # names load_adapter has loaded
         # What the engine puts on the model (``marks.py``) is there from now until ``shutdown`` (or until the
         # engine is collected): the launcher and executor put theirs through the model's marks.
         self._release_marks = weakref.finalize(self, marks_for(model).open())
@@ -77,7 +83,11 @@ class ContinuousBatchingEngine(BatchAPI):
         num_blocks: int | None,
         launcher: Launcher | None,
     ) -> None:
-        self.config = config = (config or PagedConfig()).for_model(model)  # the concrete kernel and block size
+        self.lora = lora.attach(model, marks_for(model))  # None: the model has no LoRA layer
+        config = config or PagedConfig()
+        if self.lora is not None:
+            config = _lora_config(model, config)
+        self.config = config = config.for_model(model)  # the concrete kernel and block size
         self.generation_config = generation_config or model.generation_config
         self.device = input_device(model)  # not model.device: with accelerate's offload that may be "meta"
         self.max_position_embeddings = getattr(model.config.get_text_config(), "max_position_embeddings", None)
@@ -126,6 +136,7 @@ class ContinuousBatchingEngine(BatchAPI):
         prompt_logprobs: int | None = None,
         ignore_eos: bool = False,
         logprobs_mode: str | None = None,
+        adapter_name: str | None = None,
     ) -> str:
         """Queue one prompt; returns its request id. Bad input raises ValueError and queues nothing.
 
@@ -146,6 +157,8 @@ class ContinuousBatchingEngine(BatchAPI):
         end it; processors still see the EOS (``min_new_tokens``). Not with ``structured``.
         ``logprobs_mode``: ``"processed_logprobs"`` or ``"raw_logprobs"`` (None: ``PagedConfig.logprobs_mode``),
         the distribution ``logprobs`` are taken from.
+        ``adapter_name``: the LoRA adapter the request runs under (None or ``"__base__"``: the base model),
+        one of the model's PEFT adapters.
         """
         if self._sleep is not None:
             raise RuntimeError("the engine is asleep: call wake_up() before adding requests")
@@ -168,6 +181,7 @@ class ContinuousBatchingEngine(BatchAPI):
             raw_logprobs=logprobs_mode == "raw_logprobs",
         )  # fmt: skip
         request = Request("", prompt, max_new_tokens, sampling, arrival=0, priority=priority)
+        request.adapter = self._adapter(adapter_name)
         if prompt_logprobs is not None:
             if isinstance(prompt_logprobs, bool) or not isinstance(prompt_logprobs, int) or prompt_logprobs < 0:
                 raise ValueError(f"prompt_logprobs must be None or an int >= 0, got {prompt_logprobs!r}")
@@ -189,6 +203,14 @@ class ContinuousBatchingEngine(BatchAPI):
                 "(PagedConfig.num_blocks: blocks in every layer)"
             )
         return self.intake.add(request, request_id, num_siblings=max(int(config.num_return_sequences or 1) - 1, 0))
+
+    def _adapter(self, name: str | None) -> str | None:
+        """The adapter a request names, checked: None for the base model."""
+        if name is None or name == lora.BASE:
+            return None
+        if name not in self.adapters:
+            raise ValueError(f"unknown adapter {name!r}: the model's LoRA adapters are {sorted(self.adapters)}")
+        return name
 
     def _matcher(self, structured: object, tokenizer: object | None, eos_ids: frozenset[int], num_beams: int) -> object:
         """A fresh grammar matcher for a constrained request (its children clone it)."""
@@ -232,6 +254,38 @@ class ContinuousBatchingEngine(BatchAPI):
     def load_weights_from_dir(self, path: str | os.PathLike[str]) -> int:
         """``load_weights`` of every tensor in the ``*.safetensors`` files of directory ``path``."""
         return self._new_weights(load_directory(self.model, path))
+
+    def load_adapter(self, name: str, path: str | os.PathLike[str]) -> None:
+        """Load the PEFT LoRA adapter saved at ``path`` as ``name`` (through PEFT's ``load_adapter``; a model
+        without one gets a ``PeftModel``); later requests may name it. ValueError for a name in use, an
+        engine with a compiled forward or CUDA graphs; NotImplementedError for an adapter ``lora.py`` refuses."""
+        if self.config.compile or self.config.cuda_graphs:
+            raise ValueError("LoRA adapters need eager forwards: an engine with compile=False, cuda_graphs=False")
+        if name == lora.BASE or name in self.adapters:
+            raise ValueError(f"adapter name {name!r} is in use")
+        self._peft = lora.load_adapter(self.model, self._peft, name, os.fspath(path))
+        self.lora = lora.attach(self.model, marks_for(self.model))
+        if name in self._adapters_loaded:  # K/V cached under an earlier adapter of that name is stale
+            self.reset_prefix_cache()
+        self._adapters_loaded.add(name)
+
+    def unload_adapter(self, name: str) -> None:
+        """Delete adapter ``name`` from the model (PEFT's ``delete_adapter``). RuntimeError while a live request
+        runs under it; ValueError for a name the model does not hold."""
+        if name not in self.adapters or self._peft is None:
+            raise ValueError(f"unknown adapter {name!r}")
+        if self.adapter_in_use(name):
+            raise RuntimeError(f"adapter {name!r} has requests in flight")
+        self._peft.delete_adapter(name)
+
+    @property
+    def adapters(self) -> set[str]:
+        """The names of the model's LoRA adapters (``add_request(adapter_name=)``)."""
+        return self.lora.adapters if self.lora is not None else set()
+
+    def adapter_in_use(self, name: str) -> bool:
+        """Whether a live request (queued or running) runs under adapter ``name``."""
+        return any(r.adapter == name for r in list(self.intake.live.values()))
 
     # ----------------------------------------------------------------------------- sleep and wake
     # Like the three above: from the thread that steps, or while none does.
@@ -307,7 +361,8 @@ class ContinuousBatchingEngine(BatchAPI):
             scored = prompt_scoring(plan.scheduled)  # prompt_logprobs: the positions this step scores
             step = build_step(plan.scheduled, self.config.block_size, self.device, self.layers,
                               block_copies=plan.block_copies, drafts=drafts, scored=scored)  # fmt: skip
-            logits = self.executor.execute(step)
+            with self.lora.step(step) if self.lora is not None else contextlib.nullcontext():
+                logits = self.executor.execute(step)
         except Exception as exc:  # one failing step must not take the engine down
             return self.updater.fail(plan, exc)
         self.counters.num_steps += 1
@@ -353,3 +408,14 @@ class ContinuousBatchingEngine(BatchAPI):
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
+
+
+def _lora_config(model: torch.nn.Module, config: PagedConfig) -> PagedConfig:
+    """``config`` for a model with LoRA layers: eager forwards (a compiled forward or a CUDA graph would
+    freeze one step's adapter rows), one process (no tensor-parallel sharding of A and B yet)."""
+    if (getattr(model, "tp_size", None) or 1) > 1:
+        raise NotImplementedError("LoRA adapters on a tensor-parallel model are not supported by the paged engine")
+    for name in ("compile", "cuda_graphs"):
+        if getattr(config, name):
+            raise ValueError(f"PagedConfig.{name}=True cannot run LoRA adapters (their rows change every step)")
+    return config.replace(compile=False, cuda_graphs=False)

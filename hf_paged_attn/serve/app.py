@@ -19,10 +19,11 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 
 from .. import __version__
+from .adapters import LoadAdapter, ServedAdapters, UnloadAdapter
 from .body import parse_json
 from .control import Control, UpdateFromDisk, UpdateWeights, server_info, world_size
 from .engine_loop import EngineLoop
@@ -53,8 +54,9 @@ def guarded(route: Callable[[Request], Awaitable[Any]]) -> Callable[[Request], A
     return wrapper
 
 
-def build_app(engine: Any, tokenizer: Any, settings: ServeSettings) -> FastAPI:
-    """An app serving ``engine`` (a ContinuousBatchingEngine) under ``settings.model_name``.
+def build_app(engine: Any, tokenizer: Any, settings: ServeSettings, adapters: ServedAdapters | None = None) -> FastAPI:
+    """An app serving ``engine`` (a ContinuousBatchingEngine) under ``settings.model_name``, and its LoRA
+    adapters (``adapters.py``) under theirs.
 
     The engine thread starts with the app's lifespan and stops with it; requests still running at
     shutdown (after uvicorn's graceful drain) are aborted. ``app.state.engine_loop.abort_all()``
@@ -63,7 +65,8 @@ def build_app(engine: Any, tokenizer: Any, settings: ServeSettings) -> FastAPI:
     """
     metrics = ServeMetrics(lambda: loop.stats)
     loop = EngineLoop(engine, metrics)
-    handlers = Handlers(loop, tokenizer, settings)
+    adapters = adapters or ServedAdapters(settings.model_name)
+    handlers = Handlers(loop, tokenizer, settings, adapters)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -157,6 +160,8 @@ def build_app(engine: Any, tokenizer: Any, settings: ServeSettings) -> FastAPI:
 
     if settings.rl_endpoints:
         add_control_routes(app, Control(loop), handlers, check_key)
+    if settings.lora_updates:
+        add_adapter_routes(app, loop, adapters, handlers, check_key)
     app.openapi = functools.partial(openapi_schema, app)  # type: ignore[method-assign]
     return app
 
@@ -168,6 +173,26 @@ def _flag(request: Request, name: str, default: bool) -> bool:
     if value.lower() not in ("true", "false", "1", "0"):
         raise APIError(400, f"{name} must be true or false, got {value[:64]!r}", name)
     return value.lower() in ("true", "1")
+
+
+def add_adapter_routes(app: FastAPI, loop: EngineLoop, adapters: ServedAdapters, handlers: Handlers,
+                       check_key: Callable[[Request], None]) -> None:  # fmt: skip
+    """vLLM's ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (``--enable-lora``), behind the API key;
+    they answer plain text, as vLLM's do."""
+
+    @app.post("/v1/load_lora_adapter")
+    @guarded
+    async def load_lora_adapter(request: Request) -> Any:
+        check_key(request)
+        body = parse(LoadAdapter, parse_json(await handlers._body(request)))
+        return PlainTextResponse(await adapters.load(loop, body))
+
+    @app.post("/v1/unload_lora_adapter")
+    @guarded
+    async def unload_lora_adapter(request: Request) -> Any:
+        check_key(request)
+        body = parse(UnloadAdapter, parse_json(await handlers._body(request)))
+        return PlainTextResponse(await adapters.unload(loop, body))
 
 
 def add_control_routes(app: FastAPI, control: Control, handlers: Handlers, check_key: Callable[[Request], None]

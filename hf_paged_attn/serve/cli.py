@@ -22,6 +22,7 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp-plan", choices=("auto",),
                    help="tensor parallel over the ranks of a torchrun launch (from_pretrained(tp_plan=...)): "
                         "rank 0 serves, the other ranks run its steps on their shards")
+    lo = p.add_argument_group("LoRA adapters (docs/lora.md; the [lora] extra)")
+    lo.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", default=[],
+                    help="PEFT LoRA adapters served as models of their own (or vLLM's JSON form "
+                         "'{\"name\": ..., \"path\": ...}'); requests pick one with \"model\": NAME")
+    lo.add_argument("--enable-lora", action="store_true",
+                    help="LoRA adapters, and POST /v1/load_lora_adapter and /v1/unload_lora_adapter while serving "
+                         "(they read paths on this machine's disk; behind --api-key)")
+    lo.add_argument("--max-loras", type=int, help="most adapters loaded at once; a load past it gets 400")
+    lo.add_argument("--max-lora-rank", type=int, help="largest adapter rank loaded; a larger one gets 400")
     g = p.add_argument_group("paged engine (PagedConfig)")
     g.add_argument("--block-size", type=int)
     g.add_argument("--num-blocks", type=int)
@@ -113,6 +123,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.limit_concurrency = 2 * args.max_queue + 64
     elif args.limit_concurrency < 0:
         p.error(f"--limit-concurrency must be >= 0, got {args.limit_concurrency}")
+    for name in ("max_loras", "max_lora_rank"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.speculative and args.speculative.startswith("ngram") == bool(args.draft_model):
         p.error(f"--speculative {args.speculative}: ngram:K goes without --draft-model, draft:K with it")
     return args
@@ -127,7 +140,21 @@ def paged_config(args: argparse.Namespace) -> PagedConfig:
         fields["enable_prefix_caching"] = False
     if args.speculative and not args.draft_model:
         fields["speculative"] = SpeculativeConfig.parse(args.speculative)
+    if lora_enabled(args):  # adapters' rows change every step: no compiled forward, no CUDA graphs
+        fields.update(compile=False, cuda_graphs=False)
     return PagedConfig().replace(**fields)
+
+
+def lora_enabled(args: argparse.Namespace) -> bool:
+    return bool(args.enable_lora or args.lora_modules)
+
+
+def served_adapters(args: argparse.Namespace) -> tuple[Any, list[tuple[str, str]]]:
+    """(the server's ``ServedAdapters``, the ``--lora-modules`` as (name, path)), ValueError naming a bad one."""
+    from .adapters import ServedAdapters, parse_lora_module
+
+    adapters = ServedAdapters(args.served_model_name or args.model, args.max_loras, args.max_lora_rank)
+    return adapters, [parse_lora_module(spec) for spec in args.lora_modules]
 
 
 def speculative_config(args: argparse.Namespace, draft: Any) -> SpeculativeConfig:
@@ -137,9 +164,11 @@ def speculative_config(args: argparse.Namespace, draft: Any) -> SpeculativeConfi
     return SpeculativeConfig(draft_model=draft)
 
 
-def load(args: argparse.Namespace) -> tuple[Any, Any]:
-    """(paged engine, tokenizer) for ``args.model``. With ``--tp-plan`` on a rank other than 0: runs
-    rank 0's steps until its server stops, then returns (None, None)."""
+def load(args: argparse.Namespace, adapters: Any = None, modules: Sequence[tuple[str, str]] = ()) -> tuple[Any, Any]:
+    """(paged engine, tokenizer) for ``args.model``, with the LoRA adapters ``modules`` loaded (and recorded in
+    ``adapters``, a ``ServedAdapters``) before the engine sizes its cache, so their weights count against the
+    memory. With ``--tp-plan`` on a rank other than 0: runs rank 0's steps until its server stops, then returns
+    (None, None)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -161,6 +190,13 @@ def load(args: argparse.Namespace) -> tuple[Any, Any]:
     if args.draft_model:
         draft = AutoModelForCausalLM.from_pretrained(args.draft_model, attn_implementation="paged", dtype=dtype)
         config = config.replace(speculative=speculative_config(args, draft.to(device).eval()))
+    if modules:
+        from .adapters import with_adapters
+
+        for name, path in modules:
+            adapters.check_start(name, path)
+            adapters.served[name] = (name, path)
+        model = with_adapters(model, list(modules))
     return ContinuousBatchingEngine(model, config), tokenizer
 
 
@@ -185,10 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         paged_config(args)
         template = args.chat_template.read_text() if args.chat_template else None
+        adapters, modules = served_adapters(args)
     except (ValueError, OSError) as exc:
         print(f"hf-paged-attn serve: error: {exc}", file=sys.stderr)
         return 2
-    engine, tokenizer = load(args)
+    engine, tokenizer = load(args, adapters, modules)
     if engine is None:  # a tensor-parallel rank other than 0: its work is done
         leave_tensor_parallel()
         return 0
@@ -197,8 +234,9 @@ def main(argv: list[str] | None = None) -> int:
         max_queue=args.max_queue, chat_template=template, max_body_bytes=args.max_body_bytes,
         body_timeout=args.body_timeout or None, max_prompt_chars=args.max_prompt_chars,
         tool_call_parser=args.tool_call_parser, rl_endpoints=args.enable_rl_endpoints,
+        lora_updates=args.enable_lora,
     )
-    app = build_app(engine, tokenizer, settings)
+    app = build_app(engine, tokenizer, settings, adapters)
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"

@@ -31,10 +31,11 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from transformers import GenerationConfig
 
+from .adapters import ServedAdapters
 from .body import check_content_type, parse_json, read_body
 from .chat import chat_prompt_ids
 from .engine_loop import EngineLoop
-from .errors import APIError, dumps, json_response, short
+from .errors import APIError, dumps, json_response
 from .jobs import ChoiceEvent, Job, JobRun, TokenInfo
 from .limits import CHARS_PER_TOKEN, DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, TOKENIZER_THREADS, RequestLimits
 from .protocol import ChatCompletionRequest, CompletionRequest, parse
@@ -64,6 +65,8 @@ class ServeSettings:
     tool_call_parser: str = "auto"  # the tool-call format: hermes, llama3, or auto (from the chat template)
     # the RL control routes (weights, pause, prefix cache) and request chat templates; off by default
     rl_endpoints: bool = False
+    # /v1/load_lora_adapter and /v1/unload_lora_adapter (--enable-lora); off by default: they read paths on disk
+    lora_updates: bool = False
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in ("auto", *FORMATS):
@@ -83,8 +86,10 @@ class Handlers:
     and the streams of other requests go on while a long prompt is tokenized (the Rust tokenizer
     releases the GIL)."""
 
-    def __init__(self, loop: EngineLoop, tokenizer: Any, settings: ServeSettings) -> None:
+    def __init__(self, loop: EngineLoop, tokenizer: Any, settings: ServeSettings,
+                 adapters: ServedAdapters | None = None) -> None:  # fmt: skip
         self.loop = loop
+        self.adapters = adapters or ServedAdapters(settings.model_name)
         self.tokenizer = tokenizer
         self.settings = settings
         engine = loop.engine
@@ -133,7 +138,7 @@ class Handlers:
                         prompt_logprobs=req.num_prompt_logprobs())  # fmt: skip
         echo = texts if req.echo else [""] * len(prompts)
         run = await self._start(job)
-        meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.settings.model_name}
+        meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": req.model}
         if req.stream:
             return _sse(_completion_chunks(run, meta, echo, StreamUsage.of(req), bool(req.return_tokens_as_token_ids)))
         events = await _collect(run, request)
@@ -168,7 +173,7 @@ class Handlers:
         job = self._job(req, [prompt], [limit], top, prompt_param="messages", structure=structure)
         run = await self._start(job)
         tools = self.tool_format if req.parses_tool_calls() else None
-        meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.settings.model_name}
+        meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": req.model}
         if req.stream:
             return _sse(_chat_chunks(run, meta, StreamUsage.of(req), tools, bool(req.return_tokens_as_token_ids)))
         events = await _collect(run, request)
@@ -199,7 +204,7 @@ class Handlers:
 
     def models(self) -> dict[str, Any]:
         card = {"id": self.settings.model_name, "object": "model", "created": 0, "owned_by": "hf-paged-attn"}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card, *self.adapters.cards()]}
 
     # ----------------------------------------------------------------------------- in the thread pool
     def _prepare_completion(self, data: bytes) -> tuple[CompletionRequest, list[list[int]], list[str]]:
@@ -243,10 +248,10 @@ class Handlers:
         return {"grammar": grammar}, "tools"
 
     # ----------------------------------------------------------------------------- building jobs
-    def _check_model(self, name: str) -> None:
-        if name != self.settings.model_name:
-            raise APIError(400, f"model {short(name)} is not served here; this server serves "
-                           f"{short(self.settings.model_name)}", "model", "model_not_found")
+    def _check_model(self, name: str) -> str | None:
+        """The engine adapter of model ``name`` (None: the base model); 404 ``model_not_found`` for a model
+        not served here, as vLLM and OpenAI answer."""
+        return self.adapters.engine_adapter(name)
 
     def _completion_prompts(self, prompts: list[str] | list[list[int]]) -> tuple[list[list[int]], list[str]]:
         """Token ids and text of each prompt (validated: non-empty strings or in-vocabulary ids)."""
@@ -298,6 +303,9 @@ class Handlers:
                 raise APIError(400, f"min_tokens={req.min_tokens} is more than max_tokens={limit}", "min_tokens",
                                "invalid_value")
         kwargs: dict[str, Any] = {}
+        adapter = self._check_model(req.model)  # the served adapter's engine name now (a load_inplace moves it)
+        if adapter is not None:
+            kwargs["adapter_name"] = adapter
         changes = self._sampling_changes(req)
         if changes:
             kwargs["generation_config"] = self._generation_config(changes)

@@ -338,7 +338,6 @@ def test_detokenize(demo_server, reference):
 
 
 BAD_TOKENIZE = [
-    ("/tokenize", {"model": "gpt-4", "prompt": "x"}, "model"),
     ("/tokenize", {"prompt": 5}, "prompt"),
     ("/tokenize", {"prompt": "a\ud800"}, "prompt"),
     ("/tokenize", {}, "prompt"),
@@ -353,9 +352,15 @@ BAD_TOKENIZE = [
     ("/detokenize", {"tokens": [-1]}, "tokens"),
     ("/detokenize", {"tokens": [True]}, "tokens"),
     ("/detokenize", {"tokens": "1 2"}, "tokens"),
-    ("/detokenize", {"model": "x", "tokens": [1]}, "model"),
     ("/detokenize", {"prompt": "x"}, "tokens"),  # missing
 ]
+
+
+@pytest.mark.parametrize(("path", "body"), [("/tokenize", {"model": "gpt-4", "prompt": "x"}),
+                                            ("/detokenize", {"model": "x", "tokens": [1]})])
+def test_tokenize_with_a_model_not_served_is_a_404(demo_server, path, body):
+    status, payload = post(demo_server, path, body)
+    assert status == 404 and payload["error"]["code"] == "model_not_found", payload
 
 
 @pytest.mark.parametrize(("path", "body", "param"), BAD_TOKENIZE, ids=[f"{p}-{i}" for i, (p, _, _) in

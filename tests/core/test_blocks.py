@@ -1,6 +1,6 @@
 import pytest
 
-from hf_paged_attn.core.blocks import ROOT_DIGEST, BlockAllocator, chain_digest
+from hf_paged_attn.core.blocks import ROOT_DIGEST, BlockAllocator, chain_digest, root_digest
 
 
 def test_allocate_fork_free_round_trip():
@@ -58,6 +58,19 @@ def test_prefix_lookup_walks_the_chain_and_verifies_tokens():
     assert alloc.lookup([(1, 2), (3, 5)]) == [a]
     assert alloc.lookup([(3, 4)]) == []  # same tokens, other prefix: no hit
     assert alloc.lookup([(1, 2)], group=1) == []  # another attention group's tables: no hit
+    assert alloc.lookup([(1, 2)], adapter="a") == []  # the same tokens under a LoRA adapter: other K/V
+
+
+def test_each_adapter_roots_its_own_chain():
+    alloc = prefix_allocator()
+    (a,) = alloc.allocate(1)
+    alloc.register(a, (0, chain_digest(root_digest("x"), (1, 2)), (3, 4)))
+    assert root_digest(None) == ROOT_DIGEST
+    assert len({root_digest(None), root_digest("x"), root_digest("y")}) == 3
+    assert alloc.lookup([(1, 2), (3, 4)], adapter="x") == []  # the first block was never registered
+    alloc.register(alloc.allocate(1)[0], (0, root_digest("x"), (1, 2)))
+    assert len(alloc.lookup([(1, 2), (3, 4)], adapter="x")) == 2
+    assert alloc.lookup([(1, 2), (3, 4)], adapter="y") == alloc.lookup([(1, 2), (3, 4)]) == []
     disabled = BlockAllocator(4)
     (c,) = disabled.allocate(1)
     disabled.register(c, key([], (1, 2)))

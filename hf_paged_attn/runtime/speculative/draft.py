@@ -51,6 +51,7 @@ class _Feed:
     tokens: list[int]
     block_tables: list[list[int]]
     group: None = None
+    adapter: None = None  # the draft model has no LoRA adapters: it proposes as its base
     num_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
