@@ -15,13 +15,10 @@ layers when they load; this module does it without touching the model, in the co
   single copies it then drops (the graph no longer reads them). Whenever a member is not exactly the
   tensor concatenated (replaced, updated in place) it computes each member's ``packed_linear`` instead:
   never a stale result.
-
-``$HF_PAGED_ATTN_PACK_GROUPS=0`` leaves the calls apart.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 from collections import defaultdict
@@ -32,8 +29,6 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from . import packed_linear as packing
 from .weights import fingerprint, version_of
-
-GROUPS_ENV = "HF_PAGED_ATTN_PACK_GROUPS"
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,8 +166,6 @@ class GroupLinears(CustomGraphPass):
     ``packed_linear_group`` call and a slice of its columns for each (see the module's docstring)."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        if os.environ.get(GROUPS_ENV, "") == "0":
-            return
         order = {node: i for i, node in enumerate(graph.nodes)}
         by_input: dict[torch.fx.Node, list[torch.fx.Node]] = defaultdict(list)
         for node in graph.nodes:
@@ -199,7 +192,7 @@ class GroupLinears(CustomGraphPass):
             graph.erase_node(node)
 
     def uuid(self) -> bytes:  # inductor's disk cache keys graphs on it: one compiled with groups is not one without
-        return get_hash_for_files((__file__,)) + os.environ.get(GROUPS_ENV, "").encode()
+        return get_hash_for_files((__file__,))
 
 
 GROUP_LINEARS = GroupLinears()

@@ -21,14 +21,13 @@ does what vLLM does, without touching the model:
   enter it and run as before. ``linear_groups`` then makes the calls that share an input one matmul.
 
 The copies take as much memory as the packed linear weights (as inductor's frozen weights do); they are
-made only while they fit in a quarter of the memory available (``_fits``). ``$HF_PAGED_ATTN_PACK=0``
-turns packing off, ``1`` on where it can run (``wanted``).
+made only while they fit in a quarter of the memory available (``_fits``); ``PagedConfig(compile=False)``
+makes none.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import weakref
 from dataclasses import dataclass
 
@@ -43,7 +42,6 @@ from .weights import fingerprint, version_of
 
 logger = logging.getLogger(__name__)
 
-PACK_ENV = "HF_PAGED_ATTN_PACK"
 PACK_ROWS = 32  # the row count oneDNN chooses the packed layout for (vLLM's hint; any row count runs)
 
 
@@ -189,10 +187,8 @@ def _fits(weights: list[torch.Tensor]) -> bool:
 
 def wanted(model: nn.Module, freezing: bool) -> bool:
     """Whether the compiled forward of ``model`` should run its linears on packed weights: on the CPU,
-    unfrozen weights (frozen ones inductor packs itself), and linears of a packed dtype (``DTYPES``);
-    ``$HF_PAGED_ATTN_PACK`` (``0`` / ``1``) decides first."""
-    override = os.environ.get(PACK_ENV, "")
-    if override == "0" or (freezing and override != "1"):
+    unfrozen weights (frozen ones inductor packs itself), and linears of a packed dtype (``DTYPES``)."""
+    if freezing:
         return False
     return bool(_weights(model))
 
