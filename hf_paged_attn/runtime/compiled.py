@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import Cache
 
+from .. import torch_private
 from ..attention.cache import PagedLayer
 from ..attention.forward import ForwardContext
 from ..attention.function import COMPILED, COMPILED_STEP, LAYER_INDEX, CompiledStep
@@ -109,9 +110,7 @@ STEP_THREADS: contextvars.ContextVar[int | None] = contextvars.ContextVar("hf_pa
 def _backend(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> Callable[..., object]:
     """Inductor (``compile_fx``, as ``backend="inductor"`` runs it), its compiled function run with the
     step's thread count (``STEP_THREADS``) and the compiled count restored after it."""
-    from torch._inductor.compile_fx import compile_fx
-
-    inner = compile_fx(gm, example_inputs)
+    inner = torch_private.compile_fx(gm, example_inputs)
 
     def run(*args: object) -> object:
         want = STEP_THREADS.get()
@@ -376,7 +375,7 @@ def mark_layer_regions(
 
 def _graph_breaks() -> int:
     """Dynamo's graph breaks in this process so far."""
-    return sum(torch._dynamo.utils.counters["graph_break"].values())
+    return torch_private.graph_breaks()
 
 
 def keep_stampable(layers: list[torch.nn.Module], marks: ModelMarks) -> list[torch.nn.Module]:
@@ -448,9 +447,9 @@ def run_graph(
     ``logits_indices`` [S >= 2]: logits [S, vocab] as the model returns them. The token and sampled
     counts are dynamic: dynamo specialises sizes 0 and 1, which callers pad away. The graph runs with
     torch's thread count at the call, whatever count it was compiled at (``STEP_THREADS``)."""
-    torch._dynamo.maybe_mark_dynamic(input_ids, 1)
-    torch._dynamo.maybe_mark_dynamic(position_ids, 1)
-    torch._dynamo.maybe_mark_dynamic(logits_indices, 0)
+    torch_private.mark_dynamic(input_ids, 1)
+    torch_private.mark_dynamic(position_ids, 1)
+    torch_private.mark_dynamic(logits_indices, 0)
     # Once the graph exists, dynamo checks only the guards that tell graphs apart, not every
     # parameter and attribute of the model (0.2-0.4 ms a step here).
     skip = compiled.ready.is_set()
@@ -462,7 +461,7 @@ def run_graph(
         torch.set_num_threads(compiled.threads)
         threads_token = STEP_THREADS.set(want)
     try:
-        with torch._inductor.config.patch(INDUCTOR_OPTIONS), torch._dynamo.config.patch(inline_invoke_subgraph=True):
+        with torch_private.compile_settings(INDUCTOR_OPTIONS):
             try:
                 with stance:
                     return compiled.forward(input_ids, position_ids, logits_indices)

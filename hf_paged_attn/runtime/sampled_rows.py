@@ -27,10 +27,9 @@ import logging
 import operator
 
 import torch
-from torch._guards import detect_fake_mode
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.fx import Graph, Node
 
+from ..torch_private import CustomGraphPass, detect_fake_mode, get_hash_for_files
 from . import linear_groups
 from . import packed_linear as packing
 
