@@ -29,7 +29,6 @@ ALLOWED: dict[str, set[str]] = {
     "integration": {"runtime", "parallel", "core", "attention", "kernels", "transformers_private", "torch_private"},
     "serve": {"public", "parallel"},  # parallel: ``hf-paged-attn serve --tp-plan auto``'s other ranks
     "demo": {"public", "_env"},
-    "distributed": {"parallel"},  # the 0.1 name of hf_paged_attn.parallel, kept for old code
     "_env": set(),
     "cli": {"public", "_env", "serve", "demo", "tools"},  # bench is a thin entry point into hf_paged_attn_tools
     "public": {"*"},  # hf_paged_attn/__init__.py: the public names
