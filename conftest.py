@@ -11,12 +11,14 @@ import pytest
 # No GPU here: Triton kernels can only run under its interpreter, and the interpreter must be
 # chosen before the first `import triton` anywhere in the session (test order must not matter).
 os.environ.setdefault("TRITON_INTERPRET", "1")
-# Tiny models compile for longer than they run: PagedConfig(compile=None) means eager in the suite;
-# tests of the compiled forward ask for compile=True (tests/runtime/test_compiled.py).
-os.environ.setdefault("HF_PAGED_ATTN_COMPILE", "0")
 
 import hf_paged_attn  # noqa: E402, F401  (registers "paged")
+from hf_paged_attn.runtime import config as _paged_config  # noqa: E402
 from hf_paged_attn_tools.testing import load_pair, save_random_model, tiny_llama_config  # noqa: E402
+
+# Tiny models compile for longer than they run: PagedConfig(compile=None) means eager in the suite;
+# tests of the compiled forward ask for compile=True (tests/runtime/test_compiled.py).
+_paged_config.COMPILE_BY_DEFAULT = False
 
 
 @pytest.fixture(scope="session")

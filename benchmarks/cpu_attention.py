@@ -18,13 +18,13 @@ Medians in ms per call (one layer); ratios are old / new (above 1: the new one i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
-import os
 import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -79,6 +79,17 @@ def old_kernel(rev: str) -> Callable[..., torch.Tensor] | None:
         return out
 
     return call
+
+
+@contextlib.contextmanager
+def torch_ops_only() -> Iterator[None]:
+    """The torch backend without its native kernels: it asks ``cpu_native.library()`` at every call."""
+    library = cpu_native.library
+    cpu_native.library = lambda: None
+    try:
+        yield
+    finally:
+        cpu_native.library = library
 
 
 def compare(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
@@ -138,13 +149,10 @@ def bench_prefill(shape: str, dtype: torch.dtype, name: str, q_lens: list[int], 
     memo: dict = {}
 
     def gathered() -> object:
-        os.environ["HF_PAGED_ATTN_NATIVE"] = "0"
-        try:
+        with torch_ops_only():
             return torch_backend.paged_prefill_attention(
                 q, k_cache, v_cache, cu_q, used, table, max(q_lens), softmax_scale=scale, memo=memo
             )
-        finally:
-            del os.environ["HF_PAGED_ATTN_NATIVE"]
 
     def native(isa: str | None = None) -> Callable[[], object]:
         return lambda: cpu_native.paged_prefill(
@@ -189,12 +197,9 @@ def bench_shared_prefix(shape: str, dtype: torch.dtype, reps: int, old) -> None:
     memo: dict = {}
 
     def torch_cascade() -> object:
-        os.environ["HF_PAGED_ATTN_NATIVE"] = "0"
-        try:
+        with torch_ops_only():
             return torch_backend.paged_decode_attention(q, k_cache, v_cache, None, None, lens, table,
                                                         softmax_scale=scale, memo=memo)  # fmt: skip
-        finally:
-            del os.environ["HF_PAGED_ATTN_NATIVE"]
 
     fns = {"grouped": new(True), "ungrouped": new(False), "torch cascade": torch_cascade}
     if old is not None:

@@ -1,6 +1,6 @@
 """The compiled forward with and without ``runtime/sampled_rows.py`` (only the sampled rows after the last
 attention), in one process: two copies of a ``vs_vllm.py`` row's model, one compiled with the pass and one
-without (``$HF_PAGED_ATTN_SAMPLED_ROWS=0`` while it compiles), their engines' runs alternating so both
+without (``sampled_rows.move_row_selections`` a no-op while it compiles), their engines' runs alternating so both
 see the same host. Prints each run's wall time, the medians, their ratio and whether the tokens agree.
 
     python benchmarks/sampled_rows_ab.py [--row random|demo] [--new-tokens workload|N] [--rounds 4]
@@ -28,8 +28,15 @@ from hf_paged_attn_tools.bench.ab import report  # noqa: E402
 
 def engine_for(job: dict, pass_on: bool) -> ContinuousBatchingEngine:
     """A fresh copy of the row's model and an engine whose compiled forward has the pass on or off."""
-    os.environ[sampled_rows.ENV] = "1" if pass_on else "0"  # read when the graph compiles
-    return vs_vllm.ours_engine({**job, "dtype": "float32", "ours_config": {"compile": True}})
+    real = sampled_rows.move_row_selections
+    if not pass_on:  # the pass leaves the graph as it is: every row through every layer
+        sampled_rows.move_row_selections = lambda graph: 0
+    try:
+        # compiled here and now (ours_engine waits for the compile), never served from a graph cached with the pass
+        with torch._inductor.config.patch(force_disable_caches=True):
+            return vs_vllm.ours_engine({**job, "dtype": "float32", "ours_config": {"compile": True}})
+    finally:
+        sampled_rows.move_row_selections = real
 
 
 def main(argv: list[str] | None = None) -> None:

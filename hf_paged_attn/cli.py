@@ -14,14 +14,45 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 from . import __version__
 
 COMMANDS = {
-    "bench": "benchmark the engine against transformers' continuous batching and padded generate",
+    "bench": "benchmark the engine against transformers' continuous batching and padded generate (from a "
+    "source checkout)",
     "demo": "stream completions from the bundled demo model",
     "serve": "OpenAI-compatible HTTP server (needs: pip install 'hf-paged-attn[serve]')",
 }
+
+
+# The benchmarks (hf_paged_attn_tools) are tooling, not the runtime: they stay out of the wheel.
+BENCH_NEEDS_CHECKOUT = (
+    "hf-paged-attn bench runs from a source checkout: the benchmarks (hf_paged_attn_tools) are not part of the "
+    "installed package. Clone the project's repository, then in it: pip install -e . && hf-paged-attn bench ..."
+)
+
+
+def checkout_root() -> Path:
+    """The folder that holds this package: a source checkout's root when it is one (an editable install)."""
+    return Path(__file__).resolve().parent.parent
+
+
+def bench_main() -> Callable[..., object]:
+    """The bench command's ``main``: importable from the checkout (the current directory, or the one an
+    editable install points at, whose package list leaves the tools out); SystemExit saying what to do elsewhere."""
+    try:
+        from hf_paged_attn_tools.bench.command import main
+    except ModuleNotFoundError as exc:
+        if not (exc.name or "").startswith("hf_paged_attn_tools"):
+            raise
+        root = checkout_root()
+        if not (root / "hf_paged_attn_tools" / "bench" / "command.py").is_file():
+            raise SystemExit(BENCH_NEEDS_CHECKOUT) from None
+        sys.path.insert(0, str(root))
+        from hf_paged_attn_tools.bench.command import main
+    return main
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,9 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     prog = f"hf-paged-attn {args.command}"
     if args.command == "bench":
-        from hf_paged_attn_tools.bench.command import main as bench_main
-
-        bench_main(args.args, prog=prog)
+        bench_main()(args.args, prog=prog)
         return 0
     if args.command == "demo":
         from .demo import main as demo_main

@@ -144,7 +144,8 @@ def test_lm_eval_local_completions_on_our_server_equals_its_hf_model(tiny_tasks)
         model="hf", model_args=f"pretrained={DEMO_MODEL},attn_implementation=sdpa,dtype=float32",
         tasks=tasks, task_manager=manager, log_samples=True, batch_size=4, device="cpu", gen_kwargs=gen_kwargs,
     ))  # fmt: skip
-    with ServerProcess(DEMO_MODEL, ["--served-model-name", "demo"], env={"OMP_NUM_THREADS": "1"}) as server:
+    args = ["--served-model-name", "demo", "--no-compile"]
+    with ServerProcess(DEMO_MODEL, args, env={"OMP_NUM_THREADS": "1"}) as server:
         got = responses(lm_eval.simple_evaluate(
             model="local-completions",
             model_args=f"base_url={server.url}/v1/completions,model=demo,tokenizer_backend=huggingface,"

@@ -80,7 +80,7 @@ def test_two_step_rl_loop_follows_the_new_weights(tmp_path: Path):
     policy = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, attn_implementation="sdpa", dtype=torch.float32)
     optimizer = torch.optim.Adam(policy.parameters(), lr=3e-3)
     args = ["--served-model-name", NAME, "--num-blocks", "64", "--enable-rl-endpoints", "--dtype", "float32"]
-    with ServerProcess(DEMO_MODEL, args, env={"OMP_NUM_THREADS": "1", "HF_PAGED_ATTN_COMPILE": "0"}) as server:
+    with ServerProcess(DEMO_MODEL, [*args, "--no-compile"], env={"OMP_NUM_THREADS": "1"}) as server:
         policy.eval()
         assert greedy(server.url) == sdpa_greedy(policy)
         for step in range(2):

@@ -1,5 +1,5 @@
 """The package's shape, as rules a change can break: which folder may import which, no import
-cycle between modules or between folders, transformers' private API in one module only.
+cycle between modules or between folders, transformers' private API in one module only, torch's in another.
 
 Every import counts, the ones inside functions too (a late import is still a dependency); only
 ``if TYPE_CHECKING:`` blocks are left out, since they never run.
@@ -22,13 +22,13 @@ ALLOWED: dict[str, set[str]] = {
     "core": set(),
     "kernels": set(),
     "transformers_private": set(),
+    "torch_private": set(),
     "attention": {"core", "kernels"},
-    "runtime": {"core", "attention", "kernels", "transformers_private"},
+    "runtime": {"core", "attention", "kernels", "transformers_private", "torch_private"},
     "parallel": {"runtime", "core", "attention", "kernels"},
-    "integration": {"runtime", "parallel", "core", "attention", "kernels", "transformers_private"},
+    "integration": {"runtime", "parallel", "core", "attention", "kernels", "transformers_private", "torch_private"},
     "serve": {"public", "parallel"},  # parallel: ``hf-paged-attn serve --tp-plan auto``'s other ranks
     "demo": {"public", "_env"},
-    "distributed": {"parallel"},  # the 0.1 name of hf_paged_attn.parallel, kept for old code
     "_env": set(),
     "cli": {"public", "_env", "serve", "demo", "tools"},  # bench is a thin entry point into hf_paged_attn_tools
     "public": {"*"},  # hf_paged_attn/__init__.py: the public names
@@ -220,6 +220,30 @@ def test_transformers_private_api_is_called_from_one_module():
     assert not found, "transformers' private API outside transformers_private.py:\n" + "\n".join(found)
 
 
+def torch_private_uses(path: Path) -> list[str]:
+    """``torch._name`` (``torch._dynamo``, ``torch._inductor``, ``torch._guards``, ...), ``torch.ops.mkldnn``,
+    and imports of ``torch._*`` modules in ``path``."""
+    uses = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "torch":
+            if node.attr.startswith("_") and not node.attr.startswith("__"):
+                uses.append(f"{path.name}:{node.lineno} torch.{node.attr}")
+        elif isinstance(node, ast.Attribute) and node.attr == "mkldnn" and isinstance(node.value, ast.Attribute):
+            if node.value.attr == "ops" and isinstance(node.value.value, ast.Name) and node.value.value.id == "torch":
+                uses.append(f"{path.name}:{node.lineno} torch.ops.mkldnn")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch._"):
+            uses.append(f"{path.name}:{node.lineno} from {node.module}")
+        elif isinstance(node, ast.Import):
+            uses += [f"{path.name}:{node.lineno} import {a.name}" for a in node.names if a.name.startswith("torch._")]
+    return uses
+
+
+def test_torch_private_api_is_called_from_one_module():
+    allowed = {PACKAGE / "torch_private.py"}
+    found = [u for p in PACKAGE.rglob("*.py") if p not in allowed for u in torch_private_uses(p)]
+    assert not found, "torch's private API outside torch_private.py:\n" + "\n".join(found)
+
+
 def test_the_rules_can_fail(tmp_path):
     a = tmp_path / "a.py"
     a.write_text("def f():\n    from hf_paged_attn.runtime import engine\n")
@@ -229,6 +253,9 @@ def test_the_rules_can_fail(tmp_path):
     assert find_cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
     a.write_text("config._eos_token_tensor\nself._eos_token_tensor\n")
     assert len(private_uses(a, {"_eos_token_tensor"})) == 1
+    a.write_text("import torch._dynamo\nfrom torch._guards import x\ntorch._inductor.config\ntorch.ops.mkldnn.f\n"
+                 "torch.compile\ntorch.ops.aten.mm\n")
+    assert len(torch_private_uses(a)) == 4
 
 
 def test_tests_are_laid_out_like_the_package():

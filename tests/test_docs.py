@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from hf_paged_attn.runtime import config as paged_config
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 NO_RUN = "<!-- no-run -->"
@@ -61,7 +63,7 @@ def test_no_run_blocks_are_few():
 
 @pytest.mark.parametrize("page", pages_with_code(), ids=lambda p: p.name)
 def test_page_code_runs(page, monkeypatch, capsys):
-    monkeypatch.setenv("HF_PAGED_ATTN_COMPILE", "0")  # no background compile: seconds, not a minute
+    monkeypatch.setattr(paged_config, "COMPILE_BY_DEFAULT", False)  # no background compile: seconds, not a minute
     monkeypatch.chdir(ROOT)
     namespace: dict = {"__name__": f"docs_{page.stem}"}
     for runnable, code in python_blocks(page.read_text()):

@@ -207,7 +207,7 @@ def _step_attention(
     n, rows = step.num_tokens, query.shape[2]
     if n == 0:  # a compile's example step: padding rows only
         return query.new_zeros(1, rows, query.shape[1], value.shape[-1])
-    if step.context.step.is_decode and LEAN_DECODE and not sliding_window and not softcap and s_aux is None:
+    if step.context.step.is_decode and not sliding_window and not softcap and s_aux is None:
         out = _lean_decode(step, layer_idx, query, key, value, scaling)
         if out is not None:
             return out
@@ -225,9 +225,6 @@ def _step_attention(
     return full
 
 
-# Whether a compiled decode step's layers take ``_lean_decode`` (tests and ``benchmarks/lean_decode_ab.py`` turn
-# it off to compare; the general path computes the same).
-LEAN_DECODE = True
 _DECODE_LAYERS = "decode_layers"  # the key of a step's prepared calls in its ``LayerInputs.memo``
 
 

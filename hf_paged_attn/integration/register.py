@@ -115,19 +115,10 @@ def _fx_trace_lock() -> Callable[[], None]:
 
 def _recompile_limit() -> Callable[[], None]:
     """Dynamo's graphs per code object at least ``compiled.RECOMPILE_LIMIT``: every model compiles one function."""
-    import torch._dynamo
-
     from ..runtime.compiled import RECOMPILE_LIMIT
+    from ..torch_private import raise_recompile_limit
 
-    config = torch._dynamo.config
-    original = config.recompile_limit
-    raised = config.recompile_limit = max(original, RECOMPILE_LIMIT)
-
-    def undo() -> None:
-        if config.recompile_limit == raised:
-            config.recompile_limit = original
-
-    return undo
+    return raise_recompile_limit(RECOMPILE_LIMIT)
 
 
 def _wait_at_exit() -> Callable[[], None]:

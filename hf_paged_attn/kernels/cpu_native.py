@@ -2,7 +2,7 @@
 
 Two entry points with the torch backend's semantics, each returning None whenever the kernel cannot take
 the call (no C compiler, a dtype other than float32/bfloat16, a layout it does not read, a head dim above
-512, ``HF_PAGED_ATTN_NATIVE=0`` in the environment), and the backend then uses its torch ops:
+512), and the backend then uses its torch ops:
 
 * ``paged_decode``: one query per request, the new token appended in place; requests that share leading
   physical blocks (prefix caching, ``num_return_sequences`` forks) read those blocks once per group
@@ -11,9 +11,10 @@ the call (no C compiler, a dtype other than float32/bfloat16, a layout it does n
 
 The instruction set is chosen per call from the CPU: AVX-512 BF16 pair dot products for bfloat16 where the
 CPU has them, AVX-512 (fp32 arithmetic) where it has those, AVX2 with FMA (fp32 arithmetic) on x86-64 CPUs
-without AVX-512, else portable C that the compiler vectorises for the machine. ``isa=`` or
-``HF_PAGED_ATTN_NATIVE_ISA`` (``portable``, ``avx2``, ``avx512``, ``avx512bf16``) caps it, for tests and
-comparisons; a cap above what the CPU has means the best it has.
+without AVX-512, else portable C that the compiler vectorises for the machine. ``isa=`` (``portable``,
+``avx2``, ``avx512``, ``avx512bf16``) caps it, for tests and comparisons; a cap above what the CPU has means
+the best it has. Tests and benchmarks that compare with the torch ops put a ``library`` that returns None in
+this module's place (``monkeypatch.setattr(cpu_native, "library", lambda: None)``).
 
 The library is compiled once per source, compiler and CPU with the system compiler (``$CC``, else ``cc``)
 at ``-O3 -march=native`` and cached in ``$HF_PAGED_ATTN_CACHE`` (default ``~/.cache/hf_paged_attn``); a
@@ -91,10 +92,6 @@ _failed = False
 _lock = threading.Lock()
 
 
-def enabled() -> bool:
-    return os.environ.get("HF_PAGED_ATTN_NATIVE", "1") not in ("0", "false", "False", "")
-
-
 def cache_dir() -> Path:
     return Path(os.environ.get("HF_PAGED_ATTN_CACHE") or Path.home() / ".cache" / "hf_paged_attn")
 
@@ -165,10 +162,10 @@ def load(path: Path) -> ctypes.CDLL:
 
 
 def library() -> ctypes.CDLL | None:
-    """The loaded kernels, built on first use; None (logged once) if they cannot be built or are disabled."""
+    """The loaded kernels, built on first use; None (logged once) if they cannot be built."""
     global _library, _failed
-    if _library is not None or _failed or not enabled():
-        return _library if enabled() else None
+    if _library is not None or _failed:
+        return _library
     with _lock:
         if _library is None and not _failed:
             try:
@@ -230,7 +227,7 @@ def sdpa_prefill_wins(q_lens: list[int], k_lens: list[int], isa: str | None = No
 
 
 def _isa(isa: str | None) -> int:
-    name = isa or os.environ.get("HF_PAGED_ATTN_NATIVE_ISA") or "best"
+    name = isa or "best"
     if name not in ISAS:
         raise ValueError(f"isa must be one of {sorted(ISAS)}, got {name!r}")
     return ISAS[name]

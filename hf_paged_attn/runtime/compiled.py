@@ -49,7 +49,6 @@ import contextlib
 import contextvars
 import functools
 import logging
-import os
 import threading
 import time
 import weakref
@@ -60,6 +59,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import Cache
 
+from .. import torch_private
 from ..attention.cache import PagedLayer
 from ..attention.forward import ForwardContext
 from ..attention.function import COMPILED, COMPILED_STEP, LAYER_INDEX, CompiledStep
@@ -80,25 +80,21 @@ logger = logging.getLogger(__name__)
 # prepacked for oneDNN (as ``freezing``, which folds the weights into the graph as constants, would have
 # inductor do), and the graph, free of unpicklable packed constants, is one that inductor's disk cache
 # (``/tmp/torchinductor_$USER``) serves to every later process, which then compiles in seconds instead of
-# 25-50 s. ``HF_PAGED_ATTN_FREEZE=1`` freezes them instead. The post-grad pass ``sampled_rows.SAMPLED_ROWS``
-# computes only the sampled rows after the last attention, then (``linear_groups.GROUP_LINEARS``) makes the
-# projections that share an input (q/k/v, gate/up) one matmul.
-FREEZE_ENV = "HF_PAGED_ATTN_FREEZE"
+# 25-50 s. The post-grad pass ``sampled_rows.SAMPLED_ROWS`` computes only the sampled rows after the last
+# attention, then (``linear_groups.GROUP_LINEARS``) makes the projections that share an input (q/k/v, gate/up)
+# one matmul.
 
 
 def inductor_options() -> dict[str, object]:
-    """The compiled forward's inductor options: no ``freezing`` unless ``$HF_PAGED_ATTN_FREEZE`` is 1, the
-    sampled rows only after the last attention and the packed projections grouped (see above), and kernels
-    that take the thread count at run time (``cpp.dynamic_threads``: one graph serves every count, see
-    ``STEP_THREADS``)."""
-    return {"freezing": os.environ.get(FREEZE_ENV, "") == "1", "post_grad_custom_pre_pass": sampled_rows.SAMPLED_ROWS,
-            "cpp.dynamic_threads": True}  # fmt: skip
+    """The compiled forward's inductor options: no ``freezing``, the sampled rows only after the last attention
+    and the packed projections grouped (see above), and kernels that take the thread count at run time
+    (``cpp.dynamic_threads``: one graph serves every count, see ``STEP_THREADS``)."""
+    return {"freezing": False, "post_grad_custom_pre_pass": sampled_rows.SAMPLED_ROWS, "cpp.dynamic_threads": True}
 
 
 INDUCTOR_OPTIONS: dict[str, object] = inductor_options()
 WARMUP_ROWS = 16  # the compile's example step (oneDNN packs the weights for about this many rows)
 RECOMPILE_LIMIT = 64  # dynamo's graphs per code object (at least): every model compiles the same function
-SKIP_GUARDS = os.environ.get("HF_PAGED_ATTN_SKIP_GUARDS", "1") != "0"
 
 
 # The thread count the running compiled step wants, where it differs from the count its graph was compiled
@@ -114,9 +110,7 @@ STEP_THREADS: contextvars.ContextVar[int | None] = contextvars.ContextVar("hf_pa
 def _backend(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> Callable[..., object]:
     """Inductor (``compile_fx``, as ``backend="inductor"`` runs it), its compiled function run with the
     step's thread count (``STEP_THREADS``) and the compiled count restored after it."""
-    from torch._inductor.compile_fx import compile_fx
-
-    inner = compile_fx(gm, example_inputs)
+    inner = torch_private.compile_fx(gm, example_inputs)
 
     def run(*args: object) -> object:
         want = STEP_THREADS.get()
@@ -156,7 +150,7 @@ def wait_for_compiles_at_exit() -> None:
     running = [thread for thread in list(_COMPILING) if thread.is_alive()]
     if running:
         logger.warning("hf_paged_attn: waiting (up to %.0f s) for the model's background compile to end before "
-                       "exiting; PagedConfig(compile=False) or HF_PAGED_ATTN_COMPILE=0 skips it", EXIT_WAIT_S)
+                       "exiting; PagedConfig(compile=False) (serve --no-compile) skips it", EXIT_WAIT_S)
     for thread in running:
         thread.join(EXIT_WAIT_S)
 
@@ -215,7 +209,7 @@ class CompiledModel:
     compile_seconds: float = 0.0
     num_compiles: int = 0
     threads: int = 0  # torch's thread count the graph was compiled at (every step enters it at that count)
-    regions: list[torch.nn.Module] = field(default_factory=list)  # decoder layers traced as regions (``REGIONS``)
+    regions: list[torch.nn.Module] = field(default_factory=list)  # decoder layers traced as regions
     num_eager_steps: int = 0  # steps run eagerly before the graph was ready, by every engine on the model
     lock: threading.Lock = field(default_factory=threading.Lock)
     pack: bool = False  # the graph runs the bf16 linears on oneDNN-packed weights (``packed_linear``)
@@ -332,9 +326,7 @@ def _device(module: torch.nn.Module) -> torch.device:
 # marker (the same objects for every layer) out of the region's inputs, which dynamo reuses only when
 # all are tensors, numbers or modules. The graph is flattened again before AOT autograd
 # (``inline_invoke_subgraph``), so inductor compiles what it compiled before. A compile that fails with
-# the regions is retried without them (``CompiledModel._compile``); ``$HF_PAGED_ATTN_REGIONS=0`` never
-# marks them.
-REGIONS = os.environ.get("HF_PAGED_ATTN_REGIONS", "1") != "0"
+# the regions is retried without them (``CompiledModel._compile``).
 _STATIC = "_hf_paged_region_static"  # a layer's objects kept out of its region's inputs
 _ROUTE = "_hf_paged_region_route"  # the context its region's body runs in (``packed_linear.RoutePackedLinears``)
 
@@ -383,7 +375,7 @@ def mark_layer_regions(
 
 def _graph_breaks() -> int:
     """Dynamo's graph breaks in this process so far."""
-    return sum(torch._dynamo.utils.counters["graph_break"].values())
+    return torch_private.graph_breaks()
 
 
 def keep_stampable(layers: list[torch.nn.Module], marks: ModelMarks) -> list[torch.nn.Module]:
@@ -429,7 +421,7 @@ def compiled_model(model: torch.nn.Module, windows: list[int | None]) -> Compile
         if marks.get(module, LAYER_INDEX) is None and getattr(module, LAYER_INDEX, None) is None:
             marks.put(module, LAYER_INDEX, tensor_index(idx, _device(module)), buffer=True)
     static = {"cache": cache, "paged_forward": COMPILED}
-    regions = mark_layer_regions(model, modules, static, route, marks) if REGIONS else []
+    regions = mark_layer_regions(model, modules, static, route, marks)
     # The index buffers are listed whether or not the marks are open now: the graph reads them too.
     tensors = [*model.parameters(), *model.buffers()]
     tensors += [t for m in modules.values() if (t := marks.get(m, LAYER_INDEX)) is not None and _absent(t, tensors)]
@@ -455,12 +447,12 @@ def run_graph(
     ``logits_indices`` [S >= 2]: logits [S, vocab] as the model returns them. The token and sampled
     counts are dynamic: dynamo specialises sizes 0 and 1, which callers pad away. The graph runs with
     torch's thread count at the call, whatever count it was compiled at (``STEP_THREADS``)."""
-    torch._dynamo.maybe_mark_dynamic(input_ids, 1)
-    torch._dynamo.maybe_mark_dynamic(position_ids, 1)
-    torch._dynamo.maybe_mark_dynamic(logits_indices, 0)
+    torch_private.mark_dynamic(input_ids, 1)
+    torch_private.mark_dynamic(position_ids, 1)
+    torch_private.mark_dynamic(logits_indices, 0)
     # Once the graph exists, dynamo checks only the guards that tell graphs apart, not every
     # parameter and attribute of the model (0.2-0.4 ms a step here).
-    skip = SKIP_GUARDS and compiled.ready.is_set()
+    skip = compiled.ready.is_set()
     stance = torch.compiler.set_stance("default", skip_guard_eval_unsafe=True) if skip else contextlib.nullcontext()
     token = COMPILED_STEP.set(step)
     want = torch.get_num_threads()
@@ -469,7 +461,7 @@ def run_graph(
         torch.set_num_threads(compiled.threads)
         threads_token = STEP_THREADS.set(want)
     try:
-        with torch._inductor.config.patch(INDUCTOR_OPTIONS), torch._dynamo.config.patch(inline_invoke_subgraph=True):
+        with torch_private.compile_settings(INDUCTOR_OPTIONS):
             try:
                 with stance:
                     return compiled.forward(input_ids, position_ids, logits_indices)

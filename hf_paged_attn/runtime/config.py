@@ -73,8 +73,8 @@ class PagedConfig:
             later processes). The first step of a model compiles (tens of seconds on a small CPU, logged;
             inductor's disk cache shortens later processes); every later engine on the same model
             reuses it. ``None`` (the default): on for a model on the CPU when a C++ compiler is
-            found (where it was measured to win: docs/performance.md) and ``$HF_PAGED_ATTN_COMPILE``
-            is not ``0``, off elsewhere; ``True`` on
+            found (where it was measured to win: docs/performance.md) and ``COMPILE_BY_DEFAULT`` is true,
+            off elsewhere; ``True`` on
             another device raises ValueError; ``False``: eager forwards. A failed compile is logged
             and the engine runs eagerly.
         fp32_matmuls: a bfloat16 / float16 model's linear layers computed in float32 on float32
@@ -247,13 +247,15 @@ def page_head_dim(model: torch.nn.Module) -> int | None:
     return max(dims, default=None)
 
 
-COMPILE_ENV = "HF_PAGED_ATTN_COMPILE"  # "0": ``compile=None`` means off (the test suite sets it)
+# What ``PagedConfig(compile=None)`` means where a compile can run. A process that wants every such engine eager
+# (a test suite of tiny models, which compile for longer than they run) sets it to False once; one engine's
+# choice is ``PagedConfig(compile=False)`` (``hf-paged-attn serve --no-compile``).
+COMPILE_BY_DEFAULT = True
 
 
 def compile_by_default(device: torch.device) -> bool:
-    """What ``compile=None`` means on ``device``: on the CPU with a C++ compiler, unless ``$HF_PAGED_ATTN_COMPILE``
-    is ``0``."""
-    return device.type == "cpu" and os.environ.get(COMPILE_ENV, "1") != "0" and cpp_compiler() is not None
+    """What ``compile=None`` means on ``device``: on the CPU with a C++ compiler, while ``COMPILE_BY_DEFAULT``."""
+    return device.type == "cpu" and COMPILE_BY_DEFAULT and cpp_compiler() is not None
 
 
 @functools.cache

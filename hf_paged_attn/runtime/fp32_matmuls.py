@@ -1,7 +1,7 @@
 """Half-precision models' matmuls in float32 on CPUs without half-precision matmul hardware.
 
 On a CPU without AVX-512 BF16 / AMX (an AVX2 EPYC, say), torch has no fast bfloat16 (or float16)
-matmul: oneDNN declines it (``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` is False) and
+matmul: oneDNN declines it (``torch_private.mkldnn_bf16_supported()`` is False) and
 ``F.linear`` falls back to a generic loop, 7x slower than the float32 sgemm on the same shapes here
 (64 rows of a 512 x 1536 projection: 13.8 ms against 1.9 ms; docs/performance.md, "Against vLLM
 on a CPU without AVX-512"). vLLM's CPU build is as slow there.
@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import torch_private
 from .marks import ModelMarks
 from .weights import fingerprint
 
@@ -49,9 +50,9 @@ ATTR = "_hf_paged_fp32"  # where a layer keeps its copies
 def hardware_lacks(dtype: torch.dtype | None) -> bool:
     """Whether this CPU has no fast matmul for ``dtype`` (bf16 / fp16; False for any other dtype)."""
     if dtype == torch.bfloat16:
-        return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        return not torch_private.mkldnn_bf16_supported()
     if dtype == torch.float16:
-        return not torch.ops.mkldnn._is_mkldnn_fp16_supported()
+        return not torch_private.mkldnn_fp16_supported()
     return False
 
 

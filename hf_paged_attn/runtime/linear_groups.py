@@ -15,25 +15,20 @@ layers when they load; this module does it without touching the model, in the co
   single copies it then drops (the graph no longer reads them). Whenever a member is not exactly the
   tensor concatenated (replaced, updated in place) it computes each member's ``packed_linear`` instead:
   never a stale result.
-
-``$HF_PAGED_ATTN_PACK_GROUPS=0`` leaves the calls apart.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+from ..torch_private import CustomGraphPass, get_hash_for_files, linear_pointwise, reorder_linear_weight
 from . import packed_linear as packing
 from .weights import fingerprint, version_of
-
-GROUPS_ENV = "HF_PAGED_ATTN_PACK_GROUPS"
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +90,7 @@ def _make(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> _Gr
     bias = None
     if any(b is not None for b in biases):
         bias = torch.cat([b.detach() if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
-    packed = torch.ops.mkldnn._reorder_linear_weight(cat, packing.PACK_ROWS)
+    packed = reorder_linear_weight(cat, packing.PACK_ROWS)
     made_of = fingerprint([*weights, *biases])
     if bias is not None:
         return _Group(packed, bias, made_of, _layouts(weights))
@@ -136,11 +131,11 @@ def _packed_linear_group(
     """``cat([F.linear(x, w, b) for each member], -1)``, as one matmul on the members' group copy."""
     entry = _BY_FIRST.get(id(weights[0]))
     if x.dtype == weights[0].dtype and _quick(entry, weights, biases):  # the graph's usual call: its very weights
-        return torch.ops.mkldnn._linear_pointwise(x, entry.packed, None, "none", [], "")
+        return linear_pointwise(x, entry.packed, None)
     entry = _group_copy(weights, biases) if all(w.dtype == x.dtype for w in weights) else None
     if entry is None or (entry.bias is not None and entry.bias.dtype != x.dtype):
         return torch.cat([packing.packed_linear(x, w, b) for w, b in zip(weights, biases)], dim=-1)
-    return torch.ops.mkldnn._linear_pointwise(x, entry.packed, entry.bias, "none", [], "")
+    return linear_pointwise(x, entry.packed, entry.bias)
 
 
 def _packed_linear_group_fake(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]):  # noqa: ANN202
@@ -171,8 +166,6 @@ class GroupLinears(CustomGraphPass):
     ``packed_linear_group`` call and a slice of its columns for each (see the module's docstring)."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        if os.environ.get(GROUPS_ENV, "") == "0":
-            return
         order = {node: i for i, node in enumerate(graph.nodes)}
         by_input: dict[torch.fx.Node, list[torch.fx.Node]] = defaultdict(list)
         for node in graph.nodes:
@@ -199,7 +192,7 @@ class GroupLinears(CustomGraphPass):
             graph.erase_node(node)
 
     def uuid(self) -> bytes:  # inductor's disk cache keys graphs on it: one compiled with groups is not one without
-        return get_hash_for_files((__file__,)) + os.environ.get(GROUPS_ENV, "").encode()
+        return get_hash_for_files((__file__,))
 
 
 GROUP_LINEARS = GroupLinears()

@@ -10,7 +10,7 @@ does what vLLM does, without touching the model:
 
 - ``pack(model)`` keeps a reordered copy of each weight of a packed dtype (``DTYPES``: bf16 where oneDNN
   has it, float32 except on Intel CPUs) of the layers ``fp32_matmuls.plain_linear`` takes
-  (``torch.ops.mkldnn._reorder_linear_weight``, for ``PACK_ROWS`` rows as vLLM's hint), keyed by
+  (``torch_private.reorder_linear_weight``, for ``PACK_ROWS`` rows as vLLM's hint), keyed by
   the weight's data pointer, with its ``weights.fingerprint``, shape and strides (``_PACKED``);
 - ``hf_paged_attn::packed_linear(x, weight, bias)`` is an opaque op (inductor calls it as it calls
   ``aten::mm``) that multiplies by the packed copy, or runs ``F.linear`` whenever the weight is not the
@@ -21,14 +21,13 @@ does what vLLM does, without touching the model:
   enter it and run as before. ``linear_groups`` then makes the calls that share an input one matmul.
 
 The copies take as much memory as the packed linear weights (as inductor's frozen weights do); they are
-made only while they fit in a quarter of the memory available (``_fits``). ``$HF_PAGED_ATTN_PACK=0``
-turns packing off, ``1`` on where it can run (``wanted``).
+made only while they fit in a quarter of the memory available (``_fits``); ``PagedConfig(compile=False)``
+makes none.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import weakref
 from dataclasses import dataclass
 
@@ -37,13 +36,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ..torch_private import linear_pointwise, reorder_linear_weight
 from .fp32_matmuls import ATTR as FP32_COPIES
 from .fp32_matmuls import hardware_lacks, plain_linear
 from .weights import fingerprint, version_of
 
 logger = logging.getLogger(__name__)
 
-PACK_ENV = "HF_PAGED_ATTN_PACK"
 PACK_ROWS = 32  # the row count oneDNN chooses the packed layout for (vLLM's hint; any row count runs)
 
 
@@ -120,7 +119,7 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     packed = _lookup(weight) if x.dtype == weight.dtype else None
     if packed is None or (bias is not None and bias.dtype != x.dtype):
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return linear_pointwise(x, packed, bias)
 
 
 def _packed_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -189,10 +188,8 @@ def _fits(weights: list[torch.Tensor]) -> bool:
 
 def wanted(model: nn.Module, freezing: bool) -> bool:
     """Whether the compiled forward of ``model`` should run its linears on packed weights: on the CPU,
-    unfrozen weights (frozen ones inductor packs itself), and linears of a packed dtype (``DTYPES``);
-    ``$HF_PAGED_ATTN_PACK`` (``0`` / ``1``) decides first."""
-    override = os.environ.get(PACK_ENV, "")
-    if override == "0" or (freezing and override != "1"):
+    unfrozen weights (frozen ones inductor packs itself), and linears of a packed dtype (``DTYPES``)."""
+    if freezing:
         return False
     return bool(_weights(model))
 
@@ -211,7 +208,7 @@ def pack(model: nn.Module) -> int:
             ptr = w.data_ptr()
             if _holds(_PACKED.get(ptr), w):
                 continue
-            packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS)
+            packed = reorder_linear_weight(w.detach(), PACK_ROWS)
             made_of, ref = fingerprint((w,)), weakref.ref(w)
             entry = _PACKED[ptr] = _Packed(packed, made_of, tuple(w.shape), w.stride(), w.dtype, ref)
             weakref.finalize(w, _drop, ptr, entry)

@@ -19,25 +19,19 @@ is computed twice. The ops the selection no longer reads are then dead, and go. 
 through the same ops as before, on the same values; only the matmuls' row counts change (the pass on and
 off gave the same greedy tokens on every model tried: ``tests/runtime/test_sampled_rows.py``,
 ``benchmarks/sampled_rows_ab.py``).
-
-``$HF_PAGED_ATTN_SAMPLED_ROWS=0`` turns the pass off.
 """
 
 from __future__ import annotations
 
 import logging
 import operator
-import os
 
 import torch
-from torch._guards import detect_fake_mode
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.fx import Graph, Node
 
+from ..torch_private import CustomGraphPass, detect_fake_mode, get_hash_for_files
 from . import linear_groups
 from . import packed_linear as packing
-
-ENV = "HF_PAGED_ATTN_SAMPLED_ROWS"
 
 logger = logging.getLogger(__name__)
 
@@ -275,12 +269,11 @@ class SampledRows(CustomGraphPass):
     row-wise (see the module's docstring)."""
 
     def __call__(self, graph: Graph) -> None:
-        if os.environ.get(ENV, "") != "0":
-            move_row_selections(graph)
+        move_row_selections(graph)
         linear_groups.GROUP_LINEARS(graph)  # then the projections of the selected rows group too
 
     def uuid(self) -> bytes:  # inductor's disk cache keys graphs on it
-        return get_hash_for_files((__file__,)) + os.environ.get(ENV, "").encode() + linear_groups.GROUP_LINEARS.uuid()
+        return get_hash_for_files((__file__,)) + linear_groups.GROUP_LINEARS.uuid()
 
 
 def move_row_selections(graph: Graph) -> int:

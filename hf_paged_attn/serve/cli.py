@@ -101,6 +101,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--kernel")
     g.add_argument("--scheduling-policy")
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--no-compile", action="store_true",
+                   help="eager forwards: no background torch.compile of the model on the CPU "
+                        "(PagedConfig(compile=False))")
     g.add_argument("--logprobs-mode", choices=("processed_logprobs", "raw_logprobs"),
                    help="vLLM's: the log-probabilities of sampled tokens after the request's processors, temperature "
                         "and truncation (processed_logprobs, the default), or of the model's raw logits")
@@ -138,6 +141,8 @@ def paged_config(args: argparse.Namespace) -> PagedConfig:
     fields = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     if args.no_prefix_caching:
         fields["enable_prefix_caching"] = False
+    if args.no_compile:
+        fields["compile"] = False
     if args.speculative and not args.draft_model:
         fields["speculative"] = SpeculativeConfig.parse(args.speculative)
     if lora_enabled(args):  # adapters' rows change every step: no compiled forward, no CUDA graphs

@@ -102,11 +102,11 @@ def start_server(system: str, model: Path, args: argparse.Namespace) -> ServerPr
     env = {"OMP_NUM_THREADS": str(args.threads), "OMP_WAIT_POLICY": "PASSIVE", **OFFLINE}
     clients = max(args.levels)
     if system == "paged":
-        if args.no_compile:
-            env["HF_PAGED_ATTN_COMPILE"] = "0"
         max_len = args.prompt_tokens + args.output_tokens + 16  # guidellm's prompts come within a few tokens
         flags = ["--served-model-name", str(model), "--dtype", args.dtype, "--max-num-seqs", str(clients),
                  "--num-blocks", str(2 * clients * (max_len // 8 + 1)), "--log-level", "warning"]
+        if args.no_compile:
+            flags.append("--no-compile")
         return ServerProcess(model, flags, env=env, start_timeout=300).start()
     port = free_port()
     exe = Path(sys.executable).parent / "transformers"

@@ -16,5 +16,5 @@ def demo_server():
     import fastapi  # noqa: F401
     import uvicorn  # noqa: F401
     args = ["--served-model-name", DEMO_NAME, "--num-blocks", "512", "--max-num-seqs", "64"]
-    with ServerProcess(DEMO_MODEL, args, env={"OMP_NUM_THREADS": "1"}) as proc:
+    with ServerProcess(DEMO_MODEL, [*args, "--no-compile"], env={"OMP_NUM_THREADS": "1"}) as proc:
         yield proc

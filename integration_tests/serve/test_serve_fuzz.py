@@ -48,7 +48,7 @@ RELATED.update({name: {"ignore_eos"} for name in ("response_format", "structured
 @pytest.fixture(scope="module")
 def server():
     args = ["--served-model-name", NAME, "--num-blocks", "256", "--max-num-seqs", "32"]
-    with ServerProcess(DEMO_MODEL, args, env={"OMP_NUM_THREADS": "1"}) as proc:
+    with ServerProcess(DEMO_MODEL, [*args, "--no-compile"], env={"OMP_NUM_THREADS": "1"}) as proc:
         yield proc
 
 

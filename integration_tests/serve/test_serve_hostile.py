@@ -31,7 +31,7 @@ BIG_PROMPT_CHARS = 3_000_000  # allowed by this server's --max-prompt-chars: it 
 @pytest.fixture(scope="module")
 def server():
     args = ["--served-model-name", NAME, "--num-blocks", "256", "--max-prompt-chars", str(BIG_PROMPT_CHARS + 10)]
-    with ServerProcess(DEMO_MODEL, args, env={"OMP_NUM_THREADS": "1"}) as proc:
+    with ServerProcess(DEMO_MODEL, [*args, "--no-compile"], env={"OMP_NUM_THREADS": "1"}) as proc:
         yield proc
 
 
@@ -396,7 +396,7 @@ def test_the_server_is_healthy_after_all_this(server):
 # ------------------------------------------------------------------------------- drain
 def test_the_drain_deadline_ends_every_stream_with_an_error_and_done():
     args = ["--served-model-name", NAME, "--num-blocks", "256", "--drain-timeout", "0.5"]
-    with ServerProcess(DEMO_MODEL, args, env={"OMP_NUM_THREADS": "1"}) as proc:
+    with ServerProcess(DEMO_MODEL, [*args, "--no-compile"], env={"OMP_NUM_THREADS": "1"}) as proc:
         url = urllib.parse.urlsplit(proc.url)
         streams = []
         long = {**GOOD, "prompt": "The for statement", "max_tokens": 1000}  # greedy: no end-of-sequence for 300+

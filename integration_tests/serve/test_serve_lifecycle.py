@@ -24,7 +24,7 @@ TIMEOUT = 60.0
 @pytest.fixture(scope="module")
 def server():
     # The key comes from the environment, as documented; the queue holds 2 requests.
-    args = ["--max-queue", "2", "--num-blocks", "256", "--drain-timeout", "20"]
+    args = ["--max-queue", "2", "--num-blocks", "256", "--drain-timeout", "20", "--no-compile"]
     proc = ServerProcess(DEMO_MODEL, args, env={"HF_PAGED_API_KEY": KEY, "OMP_NUM_THREADS": "1"}).start()
     yield proc
     proc.stop(10)

@@ -137,7 +137,7 @@ def format_sequence_logprobs(choice: dict, sequence: list[int], prompt_length: i
 @pytest.fixture(scope="module")
 def client():
     args = ["--served-model-name", NAME, "--num-blocks", "128", "--enable-rl-endpoints", "--dtype", "float32"]
-    with ServerProcess(DEMO_MODEL, args, env={"OMP_NUM_THREADS": "1", "HF_PAGED_ATTN_COMPILE": "0"}) as server:
+    with ServerProcess(DEMO_MODEL, [*args, "--no-compile"], env={"OMP_NUM_THREADS": "1"}) as server:
         yield TRLClient(server.url)
 
 

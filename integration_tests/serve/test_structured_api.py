@@ -61,7 +61,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 def server():
     args = ["--served-model-name", NAME, "--num-blocks", "512", "--max-num-seqs", "64",
             "--chat-template", str(TEMPLATE)]
-    with ServerProcess(DEMO_MODEL, args, env={"OMP_NUM_THREADS": "1"}) as proc:
+    with ServerProcess(DEMO_MODEL, [*args, "--no-compile"], env={"OMP_NUM_THREADS": "1"}) as proc:
         yield proc
 
 

@@ -1,7 +1,7 @@
 """The pure-torch backend against the float64 reference (hf_paged_attn.kernels.reference).
 
 Its decode runs the native CPU kernel (kernels/cpu_native.py) when it can; decode tests run both
-that and the torch-ops path (``native=False``: ``HF_PAGED_ATTN_NATIVE=0``)."""
+that and the torch-ops path (``native=False``: ``cpu_native.library`` patched to return None)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_paged_attn.core.blocks import blocks_for
-from hf_paged_attn.kernels import reference, torch_backend
+from hf_paged_attn.kernels import cpu_native, reference, torch_backend
 from hf_paged_attn.kernels.torch_backend import decode as torch_decode
 from hf_paged_attn.kernels.torch_backend import dense as torch_dense
 
@@ -26,7 +26,8 @@ TOL = {"atol": 1e-5, "rtol": 1e-5}
 def native_kernel(on: bool) -> Iterator[None]:
     """The torch backend's decode with (on) or without the native CPU kernel."""
     with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setenv("HF_PAGED_ATTN_NATIVE", "1" if on else "0")
+        if not on:  # the backend asks cpu_native.library() at every call: None sends it to its torch ops
+            monkeypatch.setattr(cpu_native, "library", lambda: None)
         yield
 
 
@@ -495,7 +496,6 @@ def test_sdpa_prefill_wins_only_with_the_portable_kernels(monkeypatch: pytest.Mo
     AVX-512 kernels (unless capped at portable), nor without the library."""
     from hf_paged_attn.kernels import cpu_native
 
-    monkeypatch.delenv("HF_PAGED_ATTN_NATIVE_ISA", raising=False)
     monkeypatch.setattr(cpu_native, "best_isa", lambda: "portable")
     wins = cpu_native.sdpa_prefill_wins
     assert wins([64], [2048]) and wins([16], [1024]) and wins([64], [64]) and wins([512], [512])
@@ -509,8 +509,6 @@ def test_sdpa_prefill_wins_only_with_the_portable_kernels(monkeypatch: pytest.Mo
         monkeypatch.setattr(cpu_native, "best_isa", lambda best=best: best)
         assert not wins([2048], [2048]) and not wins([64], [2048])
         assert wins([2048], [2048], isa="portable")
-    monkeypatch.setenv("HF_PAGED_ATTN_NATIVE_ISA", "portable")
-    assert wins([2048], [2048])
     monkeypatch.setattr(cpu_native, "best_isa", lambda: None)
     assert not wins([2048], [2048])
 

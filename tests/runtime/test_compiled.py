@@ -21,7 +21,6 @@ from hf_paged_attn.attention.function import LAYER_INDEX
 from hf_paged_attn.integration.register import patch
 from hf_paged_attn.runtime import compiled as compiled_module
 from hf_paged_attn.runtime.compiled import CompiledExecutor
-from hf_paged_attn.runtime.config import COMPILE_ENV
 from hf_paged_attn.runtime.executor import LocalExecutor, LocalLauncher
 from hf_paged_attn_tools.testing import (
     compare_greedy,
@@ -58,9 +57,9 @@ def test_config_switch_validates(monkeypatch) -> None:
     assert PagedConfig(kernel="torch").resolved(torch.device("cuda")).compile is False
     assert PagedConfig(compile=False).resolved(CPU).compile is False
     assert PagedConfig(compile=True).resolved(CPU).compile is True
-    monkeypatch.setenv(COMPILE_ENV, "0")
+    monkeypatch.setattr("hf_paged_attn.runtime.config.COMPILE_BY_DEFAULT", False)
     assert PagedConfig().resolved(CPU).compile is False
-    monkeypatch.setenv(COMPILE_ENV, "1")
+    monkeypatch.setattr("hf_paged_attn.runtime.config.COMPILE_BY_DEFAULT", True)
     monkeypatch.setattr("hf_paged_attn.runtime.config.cpp_compiler", lambda: "/usr/bin/c++")
     assert PagedConfig().resolved(CPU).compile is True
     monkeypatch.setattr("hf_paged_attn.runtime.config.cpp_compiler", lambda: None)
@@ -127,7 +126,7 @@ def test_decode_steps_take_the_lean_path_and_equal_the_general_one(pair, monkeyp
         lean = run(engine, prompts, 10)
         single = run(engine, prompts[:1], 10)  # one request: every decode step padded to the graph's two rows
         taken = len(outs)
-        monkeypatch.setattr(function, "LEAN_DECODE", False)
+        monkeypatch.setattr(function, "_lean_decode", lambda *args: None)  # every layer through the general path
         general = run(engine, prompts, 10)
     layers = paged.config.num_hidden_layers
     assert taken >= layers * (9 + 9) and all(out is not None for out in outs) and len(outs) == taken
@@ -318,15 +317,11 @@ def test_exiting_while_the_compile_runs_exits_cleanly(llama_dir) -> None:
     assert "terminate called" not in done.stderr
 
 
-def test_weights_stay_graph_inputs_unless_frozen_on_request(monkeypatch) -> None:
-    """Unfrozen (``packed_linear`` packs them), so that inductor's disk cache can serve later processes;
-    ``HF_PAGED_ATTN_FREEZE=1`` freezes them; the graph pass computes only the sampled rows after the last
-    attention, then groups the projections that share an input; the kernels read the thread count at run time."""
+def test_weights_stay_graph_inputs() -> None:
+    """Unfrozen (``packed_linear`` packs them), so that inductor's disk cache can serve later processes; the
+    graph pass computes only the sampled rows after the last attention, then groups the projections that share
+    an input; the kernels read the thread count at run time."""
     from hf_paged_attn.runtime import compiled, sampled_rows
 
-    monkeypatch.delenv(compiled.FREEZE_ENV, raising=False)
     assert compiled.inductor_options() == {"freezing": False, "post_grad_custom_pre_pass": sampled_rows.SAMPLED_ROWS,
                                            "cpp.dynamic_threads": True}  # fmt: skip
-    for override, frozen in (("1", True), ("0", False)):
-        monkeypatch.setenv(compiled.FREEZE_ENV, override)
-        assert compiled.inductor_options()["freezing"] is frozen

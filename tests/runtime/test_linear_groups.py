@@ -152,9 +152,7 @@ class Block(nn.Module):
 
 
 @needs_packing
-@pytest.mark.parametrize("groups", ["", "0"])
-def test_the_pass_groups_the_packed_linears_that_share_an_input(groups, group_hits, monkeypatch) -> None:
-    monkeypatch.setenv(linear_groups.GROUPS_ENV, groups)
+def test_the_pass_groups_the_packed_linears_that_share_an_input(group_hits) -> None:
     torch._dynamo.reset()
     model = Block(PACKED[0]).eval()
     assert packed_linear.pack(model) == 4
@@ -169,14 +167,12 @@ def test_the_pass_groups_the_packed_linears_that_share_an_input(groups, group_hi
             x = torch.randn(1, rows, 32, dtype=PACKED[0])
             assert_matmul_close(graph(x), model(x))
     # q, k and v share x: one group op a call; o reads another input and stays alone
-    assert group_hits == ([True, True] if groups == "" else [])
+    assert group_hits == [True, True]
 
 
 @needs_packing
 @pytest.mark.parametrize("dtype", PACKED)
 def test_compiled_engine_with_groups_equals_sdpa(llama_dir, dtype, monkeypatch) -> None:
-    monkeypatch.delenv(packed_linear.PACK_ENV, raising=False)
-    monkeypatch.delenv(linear_groups.GROUPS_ENV, raising=False)
     ref, paged = load_pair(llama_dir, dtype=dtype)
     prompts = ragged_prompts(4, 3, 30, seed=9)
     expected = [reference_greedy(ref, p, 10) for p in prompts]

@@ -142,19 +142,14 @@ def test_the_mode_routes_only_a_compiled_forwards_bf16_linears(counted, monkeypa
     assert counted == [True] * 4
 
 
-def test_wanted_follows_the_hardware_the_freezing_and_the_override(monkeypatch) -> None:
+def test_wanted_follows_the_hardware_and_the_freezing() -> None:
     model = nn.Sequential(linear())
     supported = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    monkeypatch.delenv(packed_linear.PACK_ENV, raising=False)
     assert packed_linear.wanted(model, freezing=False) is supported
     assert packed_linear.wanted(model, freezing=True) is False  # inductor packs frozen weights itself
     fp32 = nn.Sequential(nn.Linear(4, 4))  # packed except on Intel CPUs
     assert packed_linear.wanted(fp32, freezing=False) is (torch.float32 in packed_linear.DTYPES)
     assert packed_linear.wanted(nn.Sequential(nn.ReLU()), freezing=False) is False  # no linear: nothing to pack
-    monkeypatch.setenv(packed_linear.PACK_ENV, "0")
-    assert packed_linear.wanted(model, freezing=False) is False
-    monkeypatch.setenv(packed_linear.PACK_ENV, "1")
-    assert packed_linear.wanted(model, freezing=True) is supported
 
 
 def test_float32_is_packed_except_on_intel_cpus() -> None:
@@ -201,7 +196,6 @@ def test_copies_that_would_not_fit_are_not_made(monkeypatch, caplog) -> None:
 
 @needs_onednn_bf16
 def test_compiled_bf16_engine_runs_packed_linears_and_equals_sdpa(llama_dir, counted, monkeypatch) -> None:
-    monkeypatch.delenv(packed_linear.PACK_ENV, raising=False)
     ref, paged = load_pair(llama_dir, dtype=BF16)
     prompts = ragged_prompts(4, 3, 30, seed=8)
     expected = [reference_greedy(ref, p, 10) for p in prompts]

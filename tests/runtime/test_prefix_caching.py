@@ -105,9 +105,11 @@ def test_concurrent_decodes_attend_to_the_shared_blocks_once(llama_pair, monkeyp
     """Requests decoding together over 40 shared prompt tokens take the torch backend's cascade path
     (shared blocks once per group, lse merge) and still match sdpa token for token. The native CPU
     kernel, when it runs, reads shared pages in place per request instead: same tokens."""
+    from hf_paged_attn.kernels import cpu_native
     from hf_paged_attn.kernels.torch_backend import decode as torch_decode
 
-    monkeypatch.setenv("HF_PAGED_ATTN_NATIVE", "1" if native else "0")
+    if not native:
+        monkeypatch.setattr(cpu_native, "library", lambda: None)
     calls = []
     cascade = torch_decode._decode_cascade
     monkeypatch.setattr(torch_decode, "_decode_cascade", lambda *a, **k: calls.append(1) or cascade(*a, **k))

@@ -1,8 +1,8 @@
 """The torch backend's decode path (one query token per request) over a paged cache.
 
 On CPU it first tries the native kernel (``cpu_native``, ``kernels/cpu_attention.c``), which reads the
-pages in place; what follows is the torch-ops path it falls back to (no C compiler, float16,
-``HF_PAGED_ATTN_NATIVE=0``) and the path on CUDA:
+pages in place; what follows is the torch-ops path it falls back to (no C compiler, float16)
+and the path on CUDA:
 
 * requests are cut into at most three buckets of similar length; each bucket's pages are gathered
   into [bucket, its max_len, H_kv, D] in one indexing op, a length/window mask hides the tail, and

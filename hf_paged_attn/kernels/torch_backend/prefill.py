@@ -2,7 +2,7 @@
 ``write_kv``). On CPU the native kernel (``cpu_native.paged_prefill``) attends every request in
 place, tiled flash-attention style, except for the calls that SDPA runs faster from gathered pages
 (``cpu_native.sdpa_prefill_wins``: long chunks and prompts with AVX2 or portable kernels). Where it
-can't run (no C compiler, float16, ``HF_PAGED_ATTN_NATIVE=0``, CUDA), requests that feed one token
+can't run (no C compiler, float16, CUDA), requests that feed one token
 in a mixed step are attended by the native decode kernel if it can, and the prefilling requests'
 visible keys are gathered from the pages and attended by ``varlen_attention``.
 """

@@ -2,12 +2,10 @@
 cascade path (``kernels/torch_backend/decode.py: _decode_cascade``, for groups sharing at least
 ``CASCADE_MIN_TOKENS``) and match sdpa token for token, up to a near-tie. On CUDA the torch backend
 always runs the torch-ops decode; ``--device cpu`` turns the native CPU kernel off
-(``HF_PAGED_ATTN_NATIVE=0``) so that the same path runs, with 8 new tokens.
+(``cpu_native.library`` returns None) so that the same path runs, with 8 new tokens.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -19,6 +17,7 @@ PREFIX = 96
 
 def run(ctx: Context) -> str:
     from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
+    from hf_paged_attn.kernels import cpu_native
     from hf_paged_attn.kernels.torch_backend import decode as torch_decode
 
     assert PREFIX >= torch_decode.CASCADE_MIN_TOKENS, "the shared prefix must be long enough to cascade"
@@ -36,18 +35,11 @@ def run(ctx: Context) -> str:
         calls.append(1)
         return cascade(*args, **kwargs)
 
-    native = os.environ.get("HF_PAGED_ATTN_NATIVE")
-    os.environ["HF_PAGED_ATTN_NATIVE"] = "0"  # read at every call; on CUDA it changes nothing
-    try:
-        with patched(torch_decode, "_decode_cascade", counted):
-            engine = ContinuousBatchingEngine(paged, PagedConfig(kernel="torch", block_size=16, num_blocks=256))
-            engine.generate([prefix + [1]], max_new_tokens=2)  # caches the prefix blocks
-            outs = engine.generate(prompts, max_new_tokens=new)
-    finally:
-        if native is None:
-            os.environ.pop("HF_PAGED_ATTN_NATIVE", None)
-        else:
-            os.environ["HF_PAGED_ATTN_NATIVE"] = native
+    # the backend asks for the library at every call; on CUDA it changes nothing
+    with patched(cpu_native, "library", lambda: None), patched(torch_decode, "_decode_cascade", counted):
+        engine = ContinuousBatchingEngine(paged, PagedConfig(kernel="torch", block_size=16, num_blocks=256))
+        engine.generate([prefix + [1]], max_new_tokens=2)  # caches the prefix blocks
+        outs = engine.generate(prompts, max_new_tokens=new)
     if not calls:
         raise Fail("the cascade path never ran")
     tol = TIE_TOLERANCE[torch.float32]
