@@ -50,8 +50,8 @@ class PagedConfig:
             one byte per element, twice the tokens of a bf16 cache in the same memory, with per-layer
             ``k_scale``/``v_scale`` from the checkpoint (else 1.0). Opt-in: check the model first
             (docs/kv_cache.md). ``"int8"``: one byte per element plus a float16 scale per token and KV
-            head (symmetric, max|x| / 127). Only the torch kernels read fp8 and int8 pages, so on CUDA
-            ``kernel="auto"`` picks torch for them.
+            head (symmetric, max|x| / 127). fp8 pages are read by the torch and triton kernels, int8 pages
+            by torch only; on CUDA ``kernel="auto"`` picks the first that reads them.
         progress_bar: show a tqdm bar; ``None`` shows it only in an interactive terminal and only
             for more than a handful of requests.
         seed: seed of the sampling generator; ``None`` draws it from torch's global RNG, so

@@ -49,18 +49,23 @@ def test_a_bad_byte_budget_is_refused(value):
         PagedConfig(kv_cache_memory_bytes=value)
 
 
-def test_fp8_is_opt_in_and_only_torch_reads_it_on_cuda(monkeypatch):
+def test_quantized_pages_are_opt_in_and_go_to_the_kernels_that_read_them(monkeypatch):
+    """fp8: Triton (compute capability 8.9+ for e4m3) or torch; int8: torch only; flash neither."""
     import hf_paged_attn.kernels as kernels
 
     assert PagedConfig().kv_cache_dtype == "auto"
     for name in ("flash", "triton"):
         monkeypatch.setattr(kernels.BACKENDS[name], "is_available", lambda device: device.type == "cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     cuda = torch.device("cuda")  # only inspected
     assert PagedConfig().resolved(cuda, torch.bfloat16).kernel == "flash"
+    assert PagedConfig(kv_cache_dtype="fp8").resolved(cuda, torch.bfloat16).kernel == "triton"
+    assert PagedConfig(kv_cache_dtype="fp8", kernel="torch").resolved(cuda, torch.bfloat16).kernel == "torch"
+    with pytest.raises(ValueError, match="fp8 pages"):
+        PagedConfig(kv_cache_dtype="fp8_e5m2", kernel="flash").resolved(cuda, torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert PagedConfig(kv_cache_dtype="fp8").resolved(cuda, torch.bfloat16).kernel == "torch"
-    for name in ("flash", "triton"):
-        with pytest.raises(ValueError, match="fp8 pages"):
-            PagedConfig(kv_cache_dtype="fp8_e5m2", kernel=name).resolved(cuda, torch.bfloat16)
+    assert PagedConfig(kv_cache_dtype="fp8_e5m2").resolved(cuda, torch.bfloat16).kernel == "triton"
     assert PagedConfig(kv_cache_dtype="int8").resolved(cuda, torch.bfloat16).kernel == "torch"
     for name in ("flash", "triton"):
         with pytest.raises(ValueError, match="int8 pages"):
