@@ -196,3 +196,19 @@ def test_scales_from_a_checkpoints_safetensors(llama_dir, tmp_path):
     scales, source = read_kv_scales(model, layers)
     assert scales[:2] == [(1.0, 3.0), (0.25, 1.0)] and scales[2:] == [(1.0, 1.0)] * (layers - 2)
     assert "safetensors" in source and "2 of" in source
+
+
+def test_int8_scales_sleep_and_wake_with_their_pages(llama_pair):
+    """sleep() frees the scales with the pages (counted in what it frees) and wake_up() makes both again."""
+    _, paged = llama_pair
+    prompts, new = ragged_prompts(2, 6, 12, seed=3), 8
+    engine = ContinuousBatchingEngine(paged, PagedConfig(kv_cache_dtype="int8", block_size=4, num_blocks=60))
+    want = run(engine, prompts, new)
+    held = pool_bytes(engine.cache)
+    layer = engine.cache.layers[0]
+    assert held == sum(t.nbytes for t in (layer.keys, layer.values, layer.k_scales, layer.v_scales)) * len(
+        engine.cache.layers)
+    assert engine.sleep(level=1) >= held and layer.k_scales is None
+    engine.wake_up()
+    assert layer.k_scales is not None and layer.k_scales.shape == layer.keys.shape[:3]
+    assert run(engine, prompts, new) == want
