@@ -1,4 +1,4 @@
-"""fp8 KV pages against the model's own dtype on this CPU: decode tokens/s at the same batch, and how many
+"""fp8 and int8 KV pages against the model's own dtype on this CPU: decode tokens/s at the same batch, and how many
 requests a fixed KV budget admits at once (issue #53; figures in docs/performance.md):
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/kv_cache_dtype.py [--batch 16] [--prompt 256] [--new 64] [--rounds 3]
@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
 from hf_paged_attn.demo import DEMO_MODEL
 
-DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
+DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "int8")
 
 
 def prompts(tokenizer, num: int, length: int) -> list[list[int]]:

@@ -8,7 +8,8 @@ whose groups share page tensors).
 
 Pages may be stored in a narrower dtype than the model's (``PagedConfig.kv_cache_dtype``, fp8): each
 layer then stores ``k / k_scale`` and ``v / v_scale``, and the attention function folds the scales back in
-outside the kernels (``kernels/kv_dtype.py``).
+outside the kernels (``kernels/kv_dtype.py``). int8 pages carry a scale per token and KV head instead, in
+tensors beside the pages (``k_scales`` / ``v_scales``) that every write, copy and read takes with them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from transformers import Cache, PreTrainedConfig
 from transformers.cache_utils import CacheLayerMixin
 
 from ..core.layers import LayerKinds
+from ..kernels.kv_dtype import SCALE_DTYPE, is_int8
 from .forward import ForwardContext
 
 # The forward running in this thread, for the attention function of models whose decoder layers
@@ -54,6 +56,9 @@ class PagedLayer(CacheLayerMixin):
         self.num_blocks = num_blocks
         self.page_dtype = page_dtype  # None: the dtype of the K/V the model gives
         self.k_scale, self.v_scale = scales  # pages hold k / k_scale and v / v_scale
+        # int8 pages: a scale per (token, KV head), [num_blocks, block_size, num_kv_heads]; None otherwise
+        self.k_scales: torch.Tensor | None = None
+        self.v_scales: torch.Tensor | None = None
         self.block_size = block_size
         self.is_sliding = is_sliding
         self.group = group  # attention group (layers.py): whose block tables address these pages
@@ -72,6 +77,9 @@ class PagedLayer(CacheLayerMixin):
         shape = (self.num_blocks, self.block_size, num_kv_heads, max(self.key_dim, self.value_dim))
         self.keys = torch.zeros(shape, dtype=self.page_dtype or key_states.dtype, device=key_states.device)
         self.values = torch.zeros(shape, dtype=self.page_dtype or value_states.dtype, device=value_states.device)
+        if is_int8(self.page_dtype):
+            self.k_scales = torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=key_states.device)
+            self.v_scales = torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=key_states.device)
         self.device = key_states.device
         self.is_initialized = True
 
@@ -88,12 +96,19 @@ class PagedLayer(CacheLayerMixin):
         other block ids."""
         self.key_dim, self.value_dim = key_states.shape[-1], value_states.shape[-1]
         self.keys, self.values, self.device = owner.keys, owner.values, owner.device
+        self.k_scales, self.v_scales = owner.k_scales, owner.v_scales
         self.is_initialized = True
 
     def descaled(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V as the pages store them: divided by the layer's scales (unchanged at 1.0)."""
         keys = keys if self.k_scale == 1.0 else keys / self.k_scale
         return keys, values if self.v_scale == 1.0 else values / self.v_scale
+
+    @property
+    def scale_kwargs(self) -> dict[str, torch.Tensor]:
+        """What a backend's entry points take besides the pages: int8 pages' scales (nothing for other pages,
+        so that backends without the keywords are called as before)."""
+        return {} if self.k_scales is None else {"k_scales": self.k_scales, "v_scales": self.v_scales}
 
     @property
     def width(self) -> int:
@@ -185,7 +200,7 @@ class PagedAttentionCache(Cache):
             new_keys, new_values = layer.descaled(new_keys, new_values)
             context.backend.write_kv(
                 pad_head_dim(new_keys, layer.width), pad_head_dim(new_values, layer.width),
-                layer.keys, layer.values, inputs.slot_mapping,
+                layer.keys, layer.values, inputs.slot_mapping, **layer.scale_kwargs,
             )  # fmt: skip
         layer.returned = (weakref.ref(key_states), weakref.ref(value_states))
         # The attention call that follows reads this layer's pages. Not through the module's
@@ -219,6 +234,9 @@ class PagedAttentionCache(Cache):
                 dst = torch.tensor([d for _, d in pairs], device=layer.keys.device)
                 layer.keys[dst] = layer.keys[src]
                 layer.values[dst] = layer.values[src]
+                if layer.k_scales is not None:  # int8 pages: a block's scales are part of its content
+                    layer.k_scales[dst] = layer.k_scales[src]
+                    layer.v_scales[dst] = layer.v_scales[src]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0

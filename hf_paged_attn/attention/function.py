@@ -74,7 +74,7 @@ def paged_attention_forward(
     # fp8 pages hold k / k_scale and v / v_scale (cache.py): k_scale joins the softmax scale, v_scale the output
     options = dict(
         softmax_scale=scale * layer.k_scale, causal=True, window_size=window, softcap=softcap or 0.0, sinks=s_aux,
-        memo=inputs.memo,
+        memo=inputs.memo, **layer.scale_kwargs,
     )
     q = query[0].transpose(0, 1)  # [N, H, D]
     # A sliding group's max_length_k counts the keys its window leaves; the kernels' max_seqlen_k must bound
@@ -238,8 +238,8 @@ def _lean_decode(
     of arbitrary models; here the graph itself hands this op the K/V it wrote, for a model whose first step
     (a prefill, always through the general path) passed them."""
     layer = step.cache.layers[layer_idx]
-    if not layer.is_initialized or layer.k_scale != 1.0 or layer.v_scale != 1.0:  # scaled pages: the general path
-        return None
+    if not layer.is_initialized or layer.k_scale != 1.0 or layer.v_scale != 1.0 or layer.k_scales is not None:
+        return None  # scaled pages (per layer, or int8's per token): the general path
     context = step.context
     inputs = context.inputs(layer.group, query.device)
     calls = inputs.memo.get(_DECODE_LAYERS, False)

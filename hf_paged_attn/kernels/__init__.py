@@ -7,8 +7,9 @@ entry points named and shaped like flash-attn's, capabilities as class attribute
 | ``triton`` | ``triton_backend`` (kernels in ``triton_ops``) | CUDA GPUs of compute capability 8.0+ |
 | ``torch`` | ``torch_backend/`` (native CPU kernels in ``cpu_native`` / ``cpu_attention*.c``) | everywhere |
 
-Only torch reads fp8 pages (``kv_dtype.py``, ``supports_fp8_pages``): with ``kv_cache_dtype="fp8"`` on CUDA,
-``kernel="auto"`` picks torch, and an explicit flash or triton is refused.
+torch and triton read fp8 pages (``kv_dtype.py``, ``supports_fp8_pages``; triton's e4m3 needs compute
+capability 8.9+), only torch reads int8 pages (``supports_int8_pages``): ``kernel="auto"`` picks the first that
+reads the cache's pages, and an explicit kernel that does not is refused.
 
 ``reference.py`` is the float64 reference every backend is tested against. The registry below is
 the one place that lists the backends in ``kernel="auto"``'s order of preference; ``PagedConfig``

@@ -23,6 +23,10 @@ softmax_scale, causal, window_size, softcap, sinks, memo) -> [B, 1, H, D]``
     (int32 [B], the tokens cached before), or None when already written (then cache_seqlens counts
     the keys to attend).
 
+int8 pages (``PagedConfig(kv_cache_dtype="int8")``) come with their scales: the backends that declare
+``supports_int8_pages`` take keyword ``k_scales`` / ``v_scales`` ([num_blocks, block_size, H_kv]) in all three
+entry points; the others are never given int8 pages.
+
 Shared options: ``window_size`` (left, right), -1 unbounded: key j is visible to query i (absolute
 positions) when i - left <= j <= i + right. ``softcap`` > 0 applies ``softcap * tanh(s / softcap)``.
 ``sinks``: [H] per-head logits that join the softmax denominator only (GPT-OSS). ``max_seqlen_q`` /
@@ -56,6 +60,9 @@ class AttentionBackend(ABC):
     supports_sinks: ClassVar[bool] = True
     # Whether its kernels read fp8 pages (``kv_dtype.py``: float8 page tensors, scales folded in outside)
     supports_fp8_pages: ClassVar[bool] = False
+    # Whether its kernels read int8 pages: entry points that take ``k_scales`` / ``v_scales`` keywords (per token
+    # and KV head, [num_blocks, block_size, H_kv] float16, ``kv_dtype.py``) and ``write_kv`` that writes them
+    supports_int8_pages: ClassVar[bool] = False
     # Whether a decode step through it can be captured in a CUDA graph (``runtime/cuda_graphs.py``):
     # its decode reads lengths and block tables from device tensors only, and its launch parameters
     # (grid, split-K count) follow from shapes, which a graph's bucket fixes.
@@ -97,6 +104,7 @@ class AttentionBackend(ABC):
         fp8 = page_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
         return (
             (cls.supports_fp8_pages or not fp8)
+            and (cls.supports_int8_pages or page_dtype != torch.int8)
             and cls.is_available(device)
             and (block_size is None or cls.accepts_block_size(block_size))
             and (dtype is None or cls.dtypes is None or dtype in cls.dtypes)

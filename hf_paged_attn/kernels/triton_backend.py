@@ -28,6 +28,25 @@ class TritonBackend(AttentionBackend):
     block_size_rule = "a power of two >= 16"
     install_hint = "needs a CUDA GPU of compute capability 8.0 or newer and triton installed"
     graph_safe = True  # lengths read on device; split-K count from batch size and block-table width
+    # fp8 pages widen to the query's dtype as the kernels load them (triton_ops). Tested under TRITON_INTERPRET=1
+    # only, not yet on a GPU.
+    supports_fp8_pages = True
+
+    @classmethod
+    def suits(
+        cls,
+        device: torch.device,
+        block_size: int | None,
+        dtype: torch.dtype | None,
+        sinks: bool,
+        head_dim: int | None = None,
+        page_dtype: torch.dtype | None = None,
+    ) -> bool:
+        # Triton compiles e4m3 (its fp8e4nv) for compute capability 8.9+ only; e5m2 from 8.0.
+        if page_dtype == torch.float8_e4m3fn and device.type == "cuda" and cls.is_available(device):
+            if torch.cuda.get_device_capability(device) < (8, 9):
+                return False
+        return super().suits(device, block_size, dtype, sinks, head_dim, page_dtype)
 
     @staticmethod
     def is_available(device: torch.device) -> bool:

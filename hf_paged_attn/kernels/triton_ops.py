@@ -25,6 +25,7 @@ import functools
 import torch
 
 from .base import power_of_two_at_least_16
+from .kv_dtype import is_fp8, to_pages, writable, write_pages
 
 try:
     import triton
@@ -206,7 +207,8 @@ def _decode_kernel(
             k_rows = pages * stride_kb + (j % PAGE) * stride_ks
             v_rows = pages * stride_vb + (j % PAGE) * stride_vs
         kv_mask = k_ok[:, None] & d_ok[None, :]
-        key = tl.load(k_head + k_rows[:, None], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        # fp8 pages widen to the query's dtype as they load (a no-op for pages of the model's dtype)
+        key = tl.load(k_head + k_rows[:, None], mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
         s = _dot(q, tl.trans(key), DOT_FP32)  # [BLOCK_G, BLOCK_N]
         s = _scores_log2(s, softmax_scale, softcap, SOFTCAP)
         s = tl.where(k_ok[None, :], s, float("-inf"))
@@ -215,7 +217,7 @@ def _decode_kernel(
         alpha = tl.exp2(m - m_use)
         p = tl.exp2(s - m_use[:, None])
         l = l * alpha + tl.sum(p, 1)  # noqa: E741
-        val = tl.load(v_head + v_rows[:, None], mask=kv_mask, other=0.0)
+        val = tl.load(v_head + v_rows[:, None], mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + _dot(p.to(val.dtype), val, DOT_FP32)
         m = m_new
 
@@ -386,7 +388,7 @@ def _prefill_kernel(
         v_base = v_ptr + page * stride_vb + (j0 % block_size + n)[:, None] * stride_vs
         j_ok = j < k_len
         kv_mask = j_ok[:, None] & d_ok[None, :]
-        key = tl.load(k_base + kvh * stride_kh + d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        key = tl.load(k_base + kvh * stride_kh + d[None, :] * stride_kd, mask=kv_mask, other=0.0).to(q.dtype)
         s = _dot(q, tl.trans(key), DOT_FP32)  # [BLOCK_M, BLOCK_N]
         s = _scores_log2(s, softmax_scale, softcap, SOFTCAP)
         visible = j_ok[None, :] & row_ok[:, None]
@@ -400,7 +402,7 @@ def _prefill_kernel(
         alpha = tl.exp2(m - m_use)
         p = tl.exp2(s - m_use[:, None])
         l = l * alpha + tl.sum(p, 1)  # noqa: E741
-        val = tl.load(v_base + kvh * stride_vh + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        val = tl.load(v_base + kvh * stride_vh + d[None, :] * stride_vd, mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + _dot(p.to(val.dtype), val, DOT_FP32)
         m = m_new
 
@@ -519,7 +521,9 @@ def write_kv(
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
-    k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+    # fp8 pages: saturated and rounded here (kv_dtype.to_pages), copied as their bytes by the kernel
+    k, v = to_pages(k, k_cache.dtype), to_pages(v, v_cache.dtype)
+    k_cache, v_cache = writable(k_cache), writable(v_cache)
     block_d = triton.next_power_of_2(head_dim)
     # ~4K elements per program: enough to keep a warp group busy, few programs under the interpreter.
     block_h = min(triton.next_power_of_2(num_kv_heads), max(1, 4096 // block_d))
@@ -571,13 +575,22 @@ def paged_decode_attention(
     batch, _, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = _check_heads(num_heads, num_kv_heads)
-    if k_cache.shape[3] != head_dim or q.dtype != k_cache.dtype:
+    if k_cache.shape[3] != head_dim or (q.dtype != k_cache.dtype and not is_fp8(k_cache.dtype)):
         raise ValueError(
             f"q [{head_dim}, {q.dtype}] and the pages [{k_cache.shape[3]}, {k_cache.dtype}] must share "
-            "head_dim and dtype"
+            "head_dim and dtype (or the pages be fp8)"
         )
     if (k is None) != (v is None):
         raise ValueError("pass both k and v, or neither")
+    if k is not None and is_fp8(k_cache.dtype):
+        # The fused append stores in the pages' dtype from registers; fp8 needs the saturating rounding of
+        # kv_dtype.to_pages, so the new token goes in first (device ops only: graph-safe) and is read back.
+        pos = cache_seqlens.long()  # [B]; its block must be allocated, as the engine does
+        slots = block_table.gather(1, (pos // block_size).unsqueeze(1))[:, 0].long() * block_size + pos % block_size
+        write_pages(k_cache, None, k.reshape(batch, num_kv_heads, head_dim), slots)
+        write_pages(v_cache, None, v.reshape(batch, num_kv_heads, head_dim), slots)
+        k = v = None
+        cache_seqlens = cache_seqlens + 1
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [B, 1, H, D]
     if batch == 0:
         return out
@@ -662,10 +675,12 @@ def _prefill(
     total_q, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[-2]
     group = _check_heads(num_heads, num_kv_heads)
-    if k_cache.shape[-1] != head_dim or q.dtype != k_cache.dtype or k_cache.shape != v_cache.shape:
+    if k_cache.shape[-1] != head_dim or q.dtype != k_cache.dtype and not is_fp8(k_cache.dtype) or (
+        k_cache.shape != v_cache.shape
+    ):
         raise ValueError(
             f"q {tuple(q.shape)} {q.dtype}, pages {tuple(k_cache.shape)} {k_cache.dtype} and "
-            f"{tuple(v_cache.shape)} must share head_dim and dtype"
+            f"{tuple(v_cache.shape)} must share head_dim and dtype (or the pages be fp8)"
         )
     out = torch.zeros(total_q, num_heads, head_dim, dtype=q.dtype, device=q.device)
     batch = cu_seqlens_q.numel() - 1

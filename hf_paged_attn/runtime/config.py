@@ -49,8 +49,9 @@ class PagedConfig:
             dtype; ``"fp8"`` / ``"fp8_e4m3"`` (4 exponent, 3 mantissa bits) or ``"fp8_e5m2"`` (5, 2):
             one byte per element, twice the tokens of a bf16 cache in the same memory, with per-layer
             ``k_scale``/``v_scale`` from the checkpoint (else 1.0). Opt-in: check the model first
-            (docs/kv_cache.md). Only the torch kernels read fp8 pages, so on CUDA ``kernel="auto"``
-            picks torch for them.
+            (docs/kv_cache.md). ``"int8"``: one byte per element plus a float16 scale per token and KV
+            head (symmetric, max|x| / 127). fp8 pages are read by the torch and triton kernels, int8 pages
+            by torch only; on CUDA ``kernel="auto"`` picks the first that reads them.
         progress_bar: show a tqdm bar; ``None`` shows it only in an interactive terminal and only
             for more than a handful of requests.
         seed: seed of the sampling generator; ``None`` draws it from torch's global RNG, so
@@ -192,11 +193,13 @@ class PagedConfig:
         page_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype]
         kernel = resolve_kernel(self.kernel, device, self.block_size, dtype, sinks, head_dim, page_dtype)
         backend = BACKENDS[kernel]
-        if page_dtype is not None and not backend.supports_fp8_pages:
-            readers = [name for name, b in BACKENDS.items() if b.supports_fp8_pages]
+        int8 = page_dtype == torch.int8
+        if page_dtype is not None and not (backend.supports_int8_pages if int8 else backend.supports_fp8_pages):
+            readers = [n for n, b in BACKENDS.items() if (b.supports_int8_pages if int8 else b.supports_fp8_pages)]
             raise ValueError(
-                f"PagedConfig.kv_cache_dtype={self.kv_cache_dtype!r} needs a kernel that reads fp8 pages "
-                f"{readers}, got kernel={kernel!r}; use kernel='auto' or kv_cache_dtype='auto'"
+                f"PagedConfig.kv_cache_dtype={self.kv_cache_dtype!r} needs a kernel that reads "
+                f"{'int8' if int8 else 'fp8'} pages {readers}, got kernel={kernel!r}; use kernel='auto' or "
+                "kv_cache_dtype='auto'"
             )
         block_size = self.block_size or backend.default_block_size(device)
         backend.check_block_size(block_size)

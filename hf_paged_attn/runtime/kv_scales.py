@@ -59,6 +59,10 @@ def kv_scales_for(model: torch.nn.Module, kv_cache_dtype: str, num_layers: int) 
     None for ``kv_cache_dtype="auto"``."""
     if kv_cache_dtype == "auto":
         return None
+    if kv_cache_dtype == "int8":  # scales per token and head, made as K/V are written: a checkpoint's don't apply
+        logger.warning("kv_cache_dtype='int8': a scale per token and KV head (max|x| / 127), computed at each write; "
+                       "checkpoint k_scale/v_scale are not used")  # fmt: skip
+        return None
     scales, source = read_kv_scales(model, num_layers)
     logger.warning("kv_cache_dtype=%r: k_scale/v_scale %s", kv_cache_dtype, source)
     return scales

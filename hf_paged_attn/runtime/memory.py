@@ -14,7 +14,7 @@ from transformers import PreTrainedConfig
 from ..core.blocks import blocks_for
 from ..core.kv_manager import blocks_at_peak
 from ..core.layers import AttentionGroup, LayerKinds
-from ..kernels.kv_dtype import page_dtype
+from ..kernels.kv_dtype import SCALE_DTYPE, is_int8, page_dtype
 from .config import PagedConfig
 from .placement import layer_devices
 
@@ -34,7 +34,9 @@ def bytes_per_block(
     num_kv_heads = num_kv_heads or getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * (num_layers or text.num_hidden_layers) * block_size * num_kv_heads * head_dim * element
+    # int8 pages: each token and head also stores its scale (kv_dtype.SCALE_DTYPE) beside its head_dim bytes
+    scale = SCALE_DTYPE.itemsize if is_int8(dtype) else 0
+    return 2 * (num_layers or text.num_hidden_layers) * block_size * num_kv_heads * (head_dim * element + scale)
 
 
 def free_memory_bytes(device: torch.device) -> int:

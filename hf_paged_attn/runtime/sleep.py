@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..attention.cache import PagedAttentionCache
+from ..kernels.kv_dtype import SCALE_DTYPE, is_int8
 from . import fp32_matmuls
 
 TAGS = ("weights", "kv_cache")
@@ -60,7 +61,8 @@ class SleepState:
 def pool_bytes(cache: PagedAttentionCache) -> int:
     """Bytes held by the cache's page tensors (shared ones once)."""
     distinct = {id(layer.keys): layer for layer in cache.layers if layer.is_initialized}
-    return sum(layer.keys.nbytes + layer.values.nbytes for layer in distinct.values())
+    scales = [t for layer in distinct.values() for t in (layer.k_scales, layer.v_scales) if t is not None]
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in distinct.values()) + sum(t.nbytes for t in scales)
 
 
 def free_pages(cache: PagedAttentionCache) -> list[_Pages]:
@@ -76,6 +78,7 @@ def free_pages(cache: PagedAttentionCache) -> list[_Pages]:
     for i in (i for pages in groups.values() for i in pages.layers):
         layer = cache.layers[i]
         del layer.keys, layer.values  # the last references: the storage goes back now
+        layer.k_scales = layer.v_scales = None  # int8 pages' scales (made again with the pages)
         layer.is_initialized = False
         layer.returned = None
     return list(groups.values())
@@ -86,9 +89,14 @@ def allocate_pages(cache: PagedAttentionCache, pages: list[_Pages]) -> None:
     for spec in pages:
         keys = torch.zeros(spec.shape, dtype=spec.dtype, device=spec.device)
         values = torch.zeros(spec.shape, dtype=spec.dtype, device=spec.device)
+        scales = None
+        if is_int8(spec.dtype):
+            scales = [torch.zeros(spec.shape[:3], dtype=SCALE_DTYPE, device=spec.device) for _ in range(2)]
         for i in spec.layers:
             layer = cache.layers[i]
             layer.keys, layer.values = keys, values
+            if scales is not None:
+                layer.k_scales, layer.v_scales = scales
             layer.is_initialized = True
 
 

@@ -94,7 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--kv-cache-memory-bytes", type=int, metavar="N",
                    help="the KV cache's size in bytes (vLLM's flag), instead of --memory-fraction")
     g.add_argument("--kv-cache-dtype", metavar="DTYPE",
-                   help="auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2: one byte per K/V element, "
+                   help="auto (the model's dtype), fp8 (= fp8_e4m3), fp8_e5m2 or int8: one byte per K/V element, "
                         "twice a bf16 cache's tokens; check the model first (docs/kv_cache.md)")
     g.add_argument("--max-num-seqs", type=int)
     g.add_argument("--max-batch-tokens", type=int)

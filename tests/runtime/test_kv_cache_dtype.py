@@ -1,4 +1,4 @@
-"""``PagedConfig(kv_cache_dtype=...)``: fp8 pages through the whole engine, their scales, and the cache
+"""``PagedConfig(kv_cache_dtype=...)``: fp8 and int8 pages through the whole engine, their scales, and the cache
 sized in bytes (``kv_cache_memory_bytes``)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
 from hf_paged_attn.runtime.kv_scales import read_kv_scales
+from hf_paged_attn.runtime.sleep import pool_bytes
 from hf_paged_attn.runtime.speculative.config import SpeculativeConfig
 from hf_paged_attn_tools.testing import ragged_prompts
 
@@ -35,11 +36,11 @@ def looping(num: int, seed: int) -> list[list[int]]:
 
 
 # ----------------------------------------------------------------------------------- config
-@pytest.mark.parametrize("value", ["fp16", "int8", "FP8", None])
+@pytest.mark.parametrize("value", ["fp16", "int4", "FP8", None])
 def test_a_bad_dtype_names_the_accepted_ones(value):
     with pytest.raises(ValueError, match="kv_cache_dtype") as info:
         PagedConfig(kv_cache_dtype=value)
-    assert "'fp8_e4m3'" in str(info.value) and "'fp8_e5m2'" in str(info.value) and repr(value) in str(info.value)
+    assert "'fp8_e4m3'" in str(info.value) and "'int8'" in str(info.value) and repr(value) in str(info.value)
 
 
 @pytest.mark.parametrize("value", [0, -1, 1.5, True])
@@ -48,18 +49,27 @@ def test_a_bad_byte_budget_is_refused(value):
         PagedConfig(kv_cache_memory_bytes=value)
 
 
-def test_fp8_is_opt_in_and_only_torch_reads_it_on_cuda(monkeypatch):
+def test_quantized_pages_are_opt_in_and_go_to_the_kernels_that_read_them(monkeypatch):
+    """fp8: Triton (compute capability 8.9+ for e4m3) or torch; int8: torch only; flash neither."""
     import hf_paged_attn.kernels as kernels
 
     assert PagedConfig().kv_cache_dtype == "auto"
     for name in ("flash", "triton"):
         monkeypatch.setattr(kernels.BACKENDS[name], "is_available", lambda device: device.type == "cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     cuda = torch.device("cuda")  # only inspected
     assert PagedConfig().resolved(cuda, torch.bfloat16).kernel == "flash"
+    assert PagedConfig(kv_cache_dtype="fp8").resolved(cuda, torch.bfloat16).kernel == "triton"
+    assert PagedConfig(kv_cache_dtype="fp8", kernel="torch").resolved(cuda, torch.bfloat16).kernel == "torch"
+    with pytest.raises(ValueError, match="fp8 pages"):
+        PagedConfig(kv_cache_dtype="fp8_e5m2", kernel="flash").resolved(cuda, torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert PagedConfig(kv_cache_dtype="fp8").resolved(cuda, torch.bfloat16).kernel == "torch"
+    assert PagedConfig(kv_cache_dtype="fp8_e5m2").resolved(cuda, torch.bfloat16).kernel == "triton"
+    assert PagedConfig(kv_cache_dtype="int8").resolved(cuda, torch.bfloat16).kernel == "torch"
     for name in ("flash", "triton"):
-        with pytest.raises(ValueError, match="fp8 pages"):
-            PagedConfig(kv_cache_dtype="fp8_e5m2", kernel=name).resolved(cuda, torch.bfloat16)
+        with pytest.raises(ValueError, match="int8 pages"):
+            PagedConfig(kv_cache_dtype="int8", kernel=name).resolved(cuda, torch.bfloat16)
 
 
 # ----------------------------------------------------------------------------------- sizing
@@ -72,7 +82,8 @@ def test_fp8_holds_twice_bf16_and_four_times_fp32_in_the_same_bytes(demo):
     def capacity(model, dtype: str) -> int:
         config = PagedConfig(kv_cache_memory_bytes=64 * MIB, kv_cache_dtype=dtype, max_num_seqs=1024)
         stats = ContinuousBatchingEngine(model, config).stats
-        assert stats.kv_cache_dtype == {"auto": str(model.dtype).removeprefix("torch."), "fp8": "float8_e4m3fn"}[dtype]
+        named = {"auto": str(model.dtype).removeprefix("torch."), "fp8": "float8_e4m3fn", "int8": "int8"}
+        assert stats.kv_cache_dtype == named[dtype]
         return stats.token_capacity_per_group[0]
 
     fp8 = capacity(fp32, "fp8")
@@ -80,12 +91,18 @@ def test_fp8_holds_twice_bf16_and_four_times_fp32_in_the_same_bytes(demo):
     assert capacity(bf16, "fp8") == fp8  # pages of one byte whatever the model computes in
     # 4 layers x 2 (K, V) x 2 KV heads x 64 dims x 1 byte a token
     assert fp8 == 64 * MIB // (4 * 2 * 2 * 64) // 8 * 8
+    # int8: the same bytes plus a float16 scale per token and KV head, counted in the budget
+    int8 = capacity(fp32, "int8")
+    assert int8 == 64 * MIB // (4 * 2 * 2 * (64 + 2)) // 8 * 8 and int8 >= 1.9 * capacity(bf16, "auto")
+    engine = ContinuousBatchingEngine(fp32, PagedConfig(kv_cache_memory_bytes=64 * MIB, kv_cache_dtype="int8"))
+    engine.generate([[5, 6, 7]], max_new_tokens=1)  # pages and scales are made at the first write
+    assert pool_bytes(engine.cache) <= 64 * MIB
 
 
 # ----------------------------------------------------------------------------------- the engine
-@pytest.mark.parametrize("dtype", ["fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype", ["fp8", "fp8_e5m2", "int8"])
 def test_prefix_hits_preemption_and_speculation_keep_the_tokens(llama_pair, dtype):
-    """Under fp8 pages, what the engine does around the pages (prefix hits, preemption, speculation)
+    """Under fp8 or int8 pages, what the engine does around the pages (prefix hits, preemption, speculation)
     gives the tokens of a plain fp8 run."""
     _, paged = llama_pair
     prompts, new = looping(5, seed=4), 16
@@ -110,6 +127,22 @@ def test_generate_and_beams_run_on_fp8(llama_pair):
     beams = paged.generate(torch.tensor([prompt]), max_new_tokens=6, num_beams=3, num_return_sequences=2,
                            do_sample=False, paged_config=PagedConfig(kv_cache_dtype="fp8"))  # fmt: skip
     assert beams.shape == (2, 18)
+
+
+def test_beams_on_int8_fork_blocks_with_their_scales(llama_pair):
+    """Beams fork a request's last, partly filled block (``copy_blocks``). int8 rounds each token alone, so the
+    block size changes nothing stored: beams over blocks of 4 and of 64 (where the copied block holds the
+    whole prompt) give the same sequences, which they would not if a copied block lost its scales."""
+    _, paged = llama_pair
+    prompt = torch.tensor([ragged_prompts(1, 12, 12, seed=2)[0]])
+
+    def beams(block_size: int) -> torch.Tensor:
+        config = PagedConfig(kv_cache_dtype="int8", block_size=block_size, enable_prefix_caching=False)
+        return paged.generate(prompt, max_new_tokens=6, num_beams=3, num_return_sequences=3, do_sample=False,
+                              paged_config=config)  # fmt: skip
+
+    small = beams(4)
+    assert small.shape == (3, 18) and torch.equal(small, beams(64))
 
 
 def test_hybrid_group_tables_on_fp8(tmp_path):
@@ -163,3 +196,19 @@ def test_scales_from_a_checkpoints_safetensors(llama_dir, tmp_path):
     scales, source = read_kv_scales(model, layers)
     assert scales[:2] == [(1.0, 3.0), (0.25, 1.0)] and scales[2:] == [(1.0, 1.0)] * (layers - 2)
     assert "safetensors" in source and "2 of" in source
+
+
+def test_int8_scales_sleep_and_wake_with_their_pages(llama_pair):
+    """sleep() frees the scales with the pages (counted in what it frees) and wake_up() makes both again."""
+    _, paged = llama_pair
+    prompts, new = ragged_prompts(2, 6, 12, seed=3), 8
+    engine = ContinuousBatchingEngine(paged, PagedConfig(kv_cache_dtype="int8", block_size=4, num_blocks=60))
+    want = run(engine, prompts, new)
+    held = pool_bytes(engine.cache)
+    layer = engine.cache.layers[0]
+    assert held == sum(t.nbytes for t in (layer.keys, layer.values, layer.k_scales, layer.v_scales)) * len(
+        engine.cache.layers)
+    assert engine.sleep(level=1) >= held and layer.k_scales is None
+    engine.wake_up()
+    assert layer.k_scales is not None and layer.k_scales.shape == layer.keys.shape[:3]
+    assert run(engine, prompts, new) == want

@@ -27,6 +27,7 @@ class TorchBackend(AttentionBackend):
     name = "torch"
     block_size_rule = "positive"
     supports_fp8_pages = True  # gathers widen them; the native CPU kernels convert them in registers
+    supports_int8_pages = True  # gathered and dequantized with their per-token scales (native kernels: not read)
     # not graph-safe: it plans its decode on the host (lengths and buckets read back from the device)
 
     @staticmethod

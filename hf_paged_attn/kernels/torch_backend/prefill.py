@@ -14,17 +14,25 @@ from dataclasses import dataclass
 import torch
 
 from .. import cpu_native
-from ..kv_dtype import to_pages, writable
+from ..kv_dtype import dequantize_int8, write_pages
 from .varlen import varlen_attention
 
 
 def write_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> None:
     """k, v [N, H_kv, D] written at the flat slots [N] of the pages [num_blocks, block_size, H_kv, D],
-    rounded to the pages' dtype (fp8 pages: ``kv_dtype.to_pages``)."""
-    for cache, new in ((k_cache, k), (v_cache, v)):
-        writable(cache).view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, to_pages(new, cache.dtype))
+    rounded to the pages' dtype (fp8 pages: ``kv_dtype.to_pages``; int8 pages: their scales
+    [num_blocks, block_size, H_kv] written beside them)."""
+    write_pages(k_cache, k_scales, k, slot_mapping)
+    write_pages(v_cache, v_scales, v, slot_mapping)
 
 
 @dataclass(slots=True)
@@ -110,15 +118,20 @@ def paged_prefill_attention(
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
     memo: dict | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Packed queries against each request's first ``seqused_k[b]`` keys, read from the pages (the
     step's own K/V already written there). Semantics of ``varlen_attention`` (bottom-right causal);
     q [total_q, H, D], pages [num_blocks, block_size, H_kv, D], block_table int32 [B, W].
     ``max_seqlen_k`` is accepted for the protocol only. ``memo``: the forward's dict, as in
-    ``paged_decode_attention``. Returns [total_q, H, D] in q.dtype."""
+    ``paged_decode_attention``. ``k_scales``, ``v_scales``: int8 pages' scales [num_blocks, block_size, H_kv]
+    (``kv_dtype.py``); the native kernels do not read int8 pages, so those are gathered and dequantized.
+    Returns [total_q, H, D] in q.dtype."""
+    int8 = k_scales is not None
     # The native kernel ignores the right side of a window, which only a non-causal call sees.
-    if q.device.type == "cpu" and (causal or window_size[1] < 0) and not _sdpa_wins(cu_seqlens_q, seqused_k,
-                                                                                    window_size[0], memo):
+    native = not int8 and q.device.type == "cpu" and (causal or window_size[1] < 0)
+    if native and not _sdpa_wins(cu_seqlens_q, seqused_k, window_size[0], memo):
         if max_seqlen_q is None:
             max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if cu_seqlens_q.numel() > 1 else 0
         out = cpu_native.paged_prefill(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, softmax_scale,
@@ -128,7 +141,7 @@ def paged_prefill_attention(
     block_size = k_cache.shape[1]
     window = tuple(window_size)
     native_dtype = q.dtype in (torch.float32, torch.bfloat16)
-    in_place = q.device.type == "cpu" and native_dtype and cpu_native.library() is not None
+    in_place = not int8 and q.device.type == "cpu" and native_dtype and cpu_native.library() is not None
     key = ("paged_varlen", block_size, causal, window, in_place)
     plan = memo.get(key) if memo is not None else None
     if plan is None:
@@ -149,8 +162,13 @@ def paged_prefill_attention(
             out[plan.one_rows] = one[:, 0]
     if plan.rows is not None:
         hk, d = k_cache.shape[2], k_cache.shape[3]
-        keys = k_cache.view(-1, hk, d).index_select(0, plan.slots).to(q.dtype)  # [K, H_kv, D]; fp8 pages widened
-        values = v_cache.view(-1, hk, d).index_select(0, plan.slots).to(q.dtype)
+        keys = k_cache.view(-1, hk, d).index_select(0, plan.slots)  # [K, H_kv, D]
+        values = v_cache.view(-1, hk, d).index_select(0, plan.slots)
+        if int8:
+            keys = dequantize_int8(keys, k_scales.view(-1, hk).index_select(0, plan.slots), q.dtype)
+            values = dequantize_int8(values, v_scales.view(-1, hk).index_select(0, plan.slots), q.dtype)
+        else:  # fp8 pages widened
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
         out[plan.rows] = varlen_attention(
             q[plan.rows], keys, values, plan.cu_q, plan.cu_k, 0, 0, softmax_scale=softmax_scale, causal=causal,
             window_size=window, softcap=softcap, sinks=sinks, memo=plan.memo,
