@@ -5,10 +5,12 @@ Plain Python, no torch. Block ids index the first axis of the page tensors; one 
 serves every attention group (``layers.py``).
 
 Prefix caching: a full block is identified by ``(attention group, digest of every earlier token, its
-own token ids)``. The digest is a SHA-256 chain over the earlier blocks' tokens, so a block is
-found by its content alone, even when the blocks before it were evicted (a sliding-window group
-needs only the blocks inside its window); dict lookup compares the block's own token ids
-themselves, and SHA-256 makes a wrong earlier prefix as good as impossible.
+own token ids, what else it holds)``; the last is b"" for text, the digests of the images whose
+placeholder tokens it holds otherwise (``Request.block_extra``). The digest is a SHA-256 chain over
+the earlier blocks' tokens (and images), so a block is found by its content alone, even when the
+blocks before it were evicted (a sliding-window group needs only the blocks inside its window); dict
+lookup compares the block's own token ids themselves, and SHA-256 makes a wrong earlier prefix as
+good as impossible.
 """
 
 from __future__ import annotations
@@ -19,13 +21,15 @@ from collections import OrderedDict, deque
 
 RELEASED = -1  # a request's block that fell out of its sliding window and was freed early
 
-PrefixKey = tuple[int, bytes, tuple[int, ...]]  # (group, digest of the tokens before, the block's tokens)
+# (group, digest of the tokens before, the block's tokens, the block's images: b"" for none)
+PrefixKey = tuple[int, bytes, tuple[int, ...], bytes]
 ROOT_DIGEST = b""
 
 
-def chain_digest(previous: bytes, tokens: tuple[int, ...]) -> bytes:
-    """Digest of a prefix: that of the prefix before this block, extended by the block's tokens."""
-    return hashlib.sha256(previous + array("q", tokens).tobytes()).digest()
+def chain_digest(previous: bytes, tokens: tuple[int, ...], extra: bytes = b"") -> bytes:
+    """Digest of a prefix: that of the prefix before this block, extended by the block's tokens (and
+    its images' digests, ``extra``)."""
+    return hashlib.sha256(previous + array("q", tokens).tobytes() + extra).digest()
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -136,7 +140,7 @@ class BlockAllocator:
         hits: list[int] = []
         digest = ROOT_DIGEST
         for tokens in token_blocks:
-            block = self.cached((group, digest, tokens))
+            block = self.cached((group, digest, tokens, b""))
             if block is None:
                 break
             hits.append(block)

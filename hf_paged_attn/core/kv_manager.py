@@ -155,10 +155,13 @@ class KVBlockManager:
         blocks before it are kept on the request (its tokens are only ever appended), so each
         block is hashed once in the request's life, not once per block that fills after it."""
         size, digests = self.block_size, request.block_digests
-        while len(digests) < index:  # digests[i]: every token up to the end of block i
+        while len(digests) < index:  # digests[i]: every token (and image) up to the end of block i
             i = len(digests)
-            digests.append(chain_digest(digests[-1] if i else ROOT_DIGEST, tuple(request.token_slice(i * size, size))))
-        return (group, digests[index - 1] if index else ROOT_DIGEST, tuple(request.token_slice(index * size, size)))
+            tokens, extra = tuple(request.token_slice(i * size, size)), request.block_extra(i * size, (i + 1) * size)
+            digests.append(chain_digest(digests[-1] if i else ROOT_DIGEST, tokens, extra))
+        before = digests[index - 1] if index else ROOT_DIGEST
+        extra = request.block_extra(index * size, (index + 1) * size)
+        return (group, before, tuple(request.token_slice(index * size, size)), extra)
 
     # ------------------------------------------------------------------ growth
     def reserve(self, request: Request, num_new: int) -> bool:

@@ -102,6 +102,21 @@ class Request:
     # missing the prefix cache serves the request nothing (a hit would skip its positions).
     num_prompt_logprobs: int | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # Images (runtime/multimodal.py): ``multimodal`` holds their tensors and encoder output, opaque here;
+    # ``mm_spans`` each image's (first prompt position, number of tokens, content digest): the tokens of an
+    # image are placeholders, so the prefix-cache key of every block an image touches carries its digest
+    multimodal: Any = None
+    mm_spans: tuple[tuple[int, int, bytes], ...] = ()
+
+    def block_extra(self, start: int, stop: int) -> bytes:
+        """What the prefix-cache key of the block of positions ``start .. stop - 1`` holds besides its token
+        ids: the position and digest of every image with tokens there (b"" for a block of text alone)."""
+        parts = [
+            first.to_bytes(8, "little") + digest
+            for first, length, digest in self.mm_spans
+            if first < stop and first + length > start
+        ]
+        return b"".join(parts)
 
     @property
     def block_tables(self) -> list[list[int]]:
@@ -206,6 +221,8 @@ class Request:
             # the parent scores the prompt they share; the list it fills is theirs too
             num_prompt_logprobs=self.num_prompt_logprobs,
             prompt_logprobs=self.prompt_logprobs,
+            multimodal=self.multimodal,  # a sibling recomputing its prompt after a preemption needs its images
+            mm_spans=self.mm_spans,
         )
 
 
