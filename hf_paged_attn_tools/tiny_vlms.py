@@ -1,0 +1,115 @@
+"""Tiny random vision-language models and their inputs, built offline (tests, docs, benchmarks).
+
+Each builder returns a ``TinyVLM``: the model (fp32, eval, random weights, attn_implementation
+"paged"), and ``inputs(texts, images)``, which makes what the family's processor makes for a
+left-padded batch. The tokenizer is
+the bundled demo model's, with the family's image tokens added. Qwen2-VL's inputs come from
+``Qwen2VLImageProcessorPil`` and the tokenizer (its processor needs torchvision's video processor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image
+from transformers import AutoTokenizer
+
+from hf_paged_attn.demo import DEMO_MODEL
+
+
+@dataclass
+class TinyVLM:
+    model: torch.nn.Module
+    tokenizer: object
+    image_text: str  # what a text writes where an image goes
+    inputs: Callable[[Sequence[str], Sequence[Image.Image]], dict[str, torch.Tensor]]
+
+
+def random_image(seed: int, height: int = 20, width: int = 24) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def _tokenizer(tokens: list[str]):
+    tok = AutoTokenizer.from_pretrained(DEMO_MODEL)
+    tok.add_special_tokens({"additional_special_tokens": tokens})
+    tok.padding_side = "left"
+    return tok
+
+
+def tiny_llava(seed: int = 0) -> TinyVLM:
+    """LLaVA: a CLIP vision tower (16x16 images, 4x4 patches: 16 image tokens each) and a Llama."""
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    tok = _tokenizer(["<image>"])
+    image_processor = CLIPImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
+    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tok, patch_size=4,
+                               vision_feature_select_strategy="default", num_additional_image_tokens=1)  # fmt: skip
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              image_size=16, patch_size=4, projection_dim=32)  # fmt: skip
+    text = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=512,
+                       initializer_range=0.1)  # fmt: skip
+    config = LlavaConfig(
+        vision_config=vision, text_config=text, image_token_index=tok.convert_tokens_to_ids("<image>"),
+        vision_feature_layer=-1, vision_feature_select_strategy="default", initializer_range=0.1,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).eval()
+    model.set_attn_implementation("paged")
+
+    def inputs(texts: Sequence[str], images: Sequence[Image.Image]) -> dict[str, torch.Tensor]:
+        return dict(processor(images=list(images) or None, text=list(texts), return_tensors="pt", padding=True))
+
+    return TinyVLM(model, tok, "<image>", inputs)
+
+
+def tiny_qwen2_vl(seed: int = 0) -> TinyVLM:
+    """Qwen2-VL: M-RoPE, dynamic resolution (4x4 patches merged 2x2: a 16x24 image is 6 tokens)."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
+
+    tok = _tokenizer(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"])
+    start, pad, end = tok.convert_tokens_to_ids(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"])
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=8 * 8 * 4, max_pixels=32 * 32 * 4, patch_size=4,
+                                               merge_size=2, temporal_patch_size=2)  # fmt: skip
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]}  # head_dim 16
+    config = Qwen2VLConfig(
+        text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=512,
+                         rope_parameters=rope, initializer_range=0.1),
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=4,
+                           spatial_merge_size=2, temporal_patch_size=2, initializer_range=0.1),
+        image_token_id=pad, vision_start_token_id=start, vision_end_token_id=end, video_token_id=end + 1,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        initializer_range=0.1,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config).eval()
+    model.set_attn_implementation("paged")
+
+    def inputs(texts: Sequence[str], images: Sequence[Image.Image]) -> dict[str, torch.Tensor]:
+        pixels = dict(image_processor(images=list(images), return_tensors="pt")) if images else {}
+        counts = iter((pixels["image_grid_thw"].prod(-1) // 4).tolist() if images else [])
+        expanded = []
+        for text in texts:  # each image's one pad token becomes one per merged patch, as the processor does
+            first, *rest = text.split("<|image_pad|>")
+            expanded.append(first + "".join("<|image_pad|>" * next(counts) + part for part in rest))
+        batch = dict(tok(expanded, return_tensors="pt", padding=True))
+        batch["mm_token_type_ids"] = (batch["input_ids"] == pad).int()
+        return {**batch, **pixels}
+
+    return TinyVLM(model, tok, "<|vision_start|><|image_pad|><|vision_end|>", inputs)
+
+
+BUILDERS = {"llava": tiny_llava, "qwen2_vl": tiny_qwen2_vl}
