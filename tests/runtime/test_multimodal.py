@@ -111,6 +111,13 @@ def test_images_that_do_not_match_the_prompt_are_refused(vlm):
         split_images(vlm.model, [ids], {**images, "pixel_values_videos": images["pixel_values"]})
 
 
+def test_images_for_an_unchecked_family_are_refused_by_name(vlm, monkeypatch):
+    ids, images = engine_inputs(vlm, seed=1)
+    monkeypatch.setattr(vlm.model.config, "model_type", "paligemma")  # its image tokens attend bidirectionally
+    with pytest.raises(NotImplementedError, match="paligemma"):
+        split_images(vlm.model, [ids], images)
+
+
 def test_block_extra_names_the_images_a_block_holds():
     request = Request("r", list(range(12)), 4, None, arrival=0, mm_spans=((2, 2, b"A"), (9, 2, b"B")))
     assert request.block_extra(0, 4) == (2).to_bytes(8, "little") + b"A"
