@@ -112,4 +112,37 @@ def tiny_qwen2_vl(seed: int = 0) -> TinyVLM:
     return TinyVLM(model, tok, "<|vision_start|><|image_pad|><|vision_end|>", inputs)
 
 
-BUILDERS = {"llava": tiny_llava, "qwen2_vl": tiny_qwen2_vl}
+def tiny_idefics3(seed: int = 0) -> TinyVLM:
+    """Idefics3 (SmolVLM's layout): a SigLIP-like tower, pixel shuffle (scale 2), a Llama; images per row,
+    16x16 without splitting: 4 image tokens each."""
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
+    from transformers.models.idefics3 import Idefics3ImageProcessorPil
+
+    tok = _tokenizer(["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"])
+    image_processor = Idefics3ImageProcessorPil(do_image_splitting=False, size={"longest_edge": 16},
+                                                max_image_size={"longest_edge": 16})  # fmt: skip
+    processor = Idefics3Processor(image_processor=image_processor, tokenizer=tok, image_seq_len=4)
+    config = Idefics3Config(
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=16, patch_size=4, initializer_range=0.1),
+        text_config=dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tok),
+                         max_position_embeddings=512, initializer_range=0.1),
+        scale_factor=2, image_token_id=tok.convert_tokens_to_ids("<image>"), pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config).eval()
+    model.set_attn_implementation("paged")
+
+    def inputs(texts: Sequence[str], images: Sequence[Image.Image]) -> dict[str, torch.Tensor]:
+        rows, it = [], iter(images)  # the processor takes each row's images as a list
+        for text in texts:
+            rows.append([next(it) for _ in range(text.count("<image>"))])
+        if not any(rows):
+            return dict(tok(list(texts), return_tensors="pt", padding=True))
+        return dict(processor(images=rows, text=list(texts), return_tensors="pt", padding=True))
+
+    return TinyVLM(model, tok, "<image>", inputs)
+
+
+BUILDERS = {"llava": tiny_llava, "qwen2_vl": tiny_qwen2_vl, "idefics3": tiny_idefics3}

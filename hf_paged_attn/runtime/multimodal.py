@@ -35,7 +35,7 @@ DERIVED_INPUTS = ("mm_token_type_ids", "token_type_ids")
 # The families whose images match sdpa's greedy tokens (tests/runtime/test_multimodal.py); images for any
 # other are refused by name: some attend bidirectionally over an image's tokens (PaliGemma, Gemma 3),
 # which the causal paged kernels never show them, others cut their inputs in ways not handled here.
-CHECKED_FAMILIES = ("llava", "qwen2_vl")
+CHECKED_FAMILIES = ("llava", "qwen2_vl", "idefics3")
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -79,6 +79,8 @@ def split_images(model: torch.nn.Module, prompts: Sequence[Sequence[int]], input
             f"paged engine: the families checked against sdpa are {', '.join(CHECKED_FAMILIES)} (text-only prompts run)"
         )
     pixels = tensors["pixel_values"]
+    if pixels.dim() == 5:  # [rows, images, C, H, W] (Idefics3): each row's images, all-zero ones padding
+        return _split_rows(tensors, counts)
     if "image_grid_thw" in tensors:  # dynamic resolution: one run of patches per image, tokens by its grid
         grid = tensors["image_grid_thw"].long()
         merge = getattr(model.config.vision_config, "spatial_merge_size", 1)
@@ -108,6 +110,25 @@ def split_images(model: torch.nn.Module, prompts: Sequence[Sequence[int]], input
         out.append(mine)
     if next_image != len(images):
         raise ValueError(f"{len(images)} images were given for {next_image} images' worth of image tokens")
+    return out
+
+
+def _split_rows(tensors: dict[str, torch.Tensor], counts: list[int]) -> list[list[Image]]:
+    """Images laid out per row ([rows, images, ...], padded with all-zero images, as Idefics3's processor
+    pads them): row ``r``'s real images share its image tokens evenly."""
+    pixels = tensors["pixel_values"]
+    if pixels.shape[0] != len(counts):
+        raise ValueError(f"pixel_values holds {pixels.shape[0]} rows of images for {len(counts)} prompts")
+    out = []
+    for row, count in enumerate(counts):
+        real = [j for j in range(pixels.shape[1]) if bool(pixels[row, j].any())]
+        if count and (not real or count % len(real)):
+            raise ValueError(f"prompt {row} holds {count} image tokens, which do not divide among its "
+                             f"{len(real)} images")  # fmt: skip
+        if not count:
+            real = []
+        per_image = [{k: v[row, j][None, None] for k, v in tensors.items()} for j in real]  # [1, 1, ...] each
+        out.append([Image(d, count // len(real), _digest(d)) for d in per_image])
     return out
 
 
