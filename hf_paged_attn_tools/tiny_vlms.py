@@ -145,4 +145,34 @@ def tiny_idefics3(seed: int = 0) -> TinyVLM:
     return TinyVLM(model, tok, "<image>", inputs)
 
 
-BUILDERS = {"llava": tiny_llava, "qwen2_vl": tiny_qwen2_vl, "idefics3": tiny_idefics3}
+def tiny_internvl(seed: int = 0) -> TinyVLM:
+    """InternVL: an InternViT-like tower (one 16x16 tile per image, 4x4 patches, pixel shuffle 0.5: 4 image
+    tokens) and a Qwen2. Its inputs are built by hand as its processor lays them out without tiling: the
+    image's ``<img><IMG_CONTEXT>*4</img>`` and one normalized tile per image."""
+    from transformers import InternVLConfig, InternVLForConditionalGeneration
+
+    tok = _tokenizer(["<img>", "<IMG_CONTEXT>", "</img>"])
+    config = InternVLConfig(
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=[16, 16], patch_size=[4, 4], initializer_range=0.2),
+        text_config=dict(model_type="qwen2", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tok),
+                         max_position_embeddings=512, initializer_range=0.2),
+        downsample_ratio=0.5, image_token_id=tok.convert_tokens_to_ids("<IMG_CONTEXT>"), pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = InternVLForConditionalGeneration(config).eval()
+    model.set_attn_implementation("paged")
+
+    def inputs(texts: Sequence[str], images: Sequence[Image.Image]) -> dict[str, torch.Tensor]:
+        expanded = [t.replace("<image>", "<img>" + "<IMG_CONTEXT>" * 4 + "</img>") for t in texts]
+        batch = dict(tok(expanded, return_tensors="pt", padding=True))
+        if images:
+            tiles = [torch.from_numpy(np.array(i.convert("RGB").resize((16, 16)))).permute(2, 0, 1) for i in images]
+            batch["pixel_values"] = torch.stack(tiles).float() / 127.5 - 1.0  # [num_images, 3, 16, 16]
+        return batch
+
+    return TinyVLM(model, tok, "<image>", inputs)
+
+
+BUILDERS = {"llava": tiny_llava, "qwen2_vl": tiny_qwen2_vl, "idefics3": tiny_idefics3, "internvl": tiny_internvl}
