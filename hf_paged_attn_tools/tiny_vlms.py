@@ -9,6 +9,7 @@ the bundled demo model's, with the family's image tokens added. Qwen2-VL's input
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -40,8 +41,9 @@ def _tokenizer(tokens: list[str]):
     return tok
 
 
-def tiny_llava(seed: int = 0) -> TinyVLM:
-    """LLaVA: a CLIP vision tower (16x16 images, 4x4 patches: 16 image tokens each) and a Llama."""
+def tiny_llava(seed: int = 0, family: str = "llava") -> TinyVLM:
+    """LLaVA: a CLIP vision tower (16x16 images, 4x4 patches: 16 image tokens each) and a Llama.
+    ``family="vipllava"``: VipLLaVA, its features from two of the tower's layers, the same inputs."""
     from transformers import (
         CLIPImageProcessor,
         CLIPVisionConfig,
@@ -49,6 +51,8 @@ def tiny_llava(seed: int = 0) -> TinyVLM:
         LlavaConfig,
         LlavaForConditionalGeneration,
         LlavaProcessor,
+        VipLlavaConfig,
+        VipLlavaForConditionalGeneration,
     )
 
     tok = _tokenizer(["<image>"])
@@ -60,12 +64,14 @@ def tiny_llava(seed: int = 0) -> TinyVLM:
     text = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=512,
                        initializer_range=0.1)  # fmt: skip
-    config = LlavaConfig(
-        vision_config=vision, text_config=text, image_token_index=tok.convert_tokens_to_ids("<image>"),
-        vision_feature_layer=-1, vision_feature_select_strategy="default", initializer_range=0.1,
-    )  # fmt: skip
+    common = dict(vision_config=vision, text_config=text, image_token_index=tok.convert_tokens_to_ids("<image>"),
+                  initializer_range=0.1)  # fmt: skip
     torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(config).eval()
+    if family == "vipllava":
+        model = VipLlavaForConditionalGeneration(VipLlavaConfig(**common, vision_feature_layers=[-2, -1])).eval()
+    else:
+        config = LlavaConfig(**common, vision_feature_layer=-1, vision_feature_select_strategy="default")
+        model = LlavaForConditionalGeneration(config).eval()
     model.set_attn_implementation("paged")
 
     def inputs(texts: Sequence[str], images: Sequence[Image.Image]) -> dict[str, torch.Tensor]:
@@ -112,17 +118,26 @@ def tiny_qwen2_vl(seed: int = 0) -> TinyVLM:
     return TinyVLM(model, tok, "<|vision_start|><|image_pad|><|vision_end|>", inputs)
 
 
-def tiny_idefics3(seed: int = 0) -> TinyVLM:
-    """Idefics3 (SmolVLM's layout): a SigLIP-like tower, pixel shuffle (scale 2), a Llama; images per row,
-    16x16 without splitting: 4 image tokens each."""
-    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
+def tiny_idefics3(seed: int = 0, family: str = "idefics3") -> TinyVLM:
+    """Idefics3: a SigLIP-like tower, pixel shuffle (scale 2), a Llama; images per row, 16x16 without
+    splitting: 4 image tokens each. ``family="smolvlm"``: SmolVLM, the same layout (its own processor needs
+    torchvision's video processor: Idefics3's makes the same inputs)."""
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3Processor,
+        SmolVLMConfig,
+        SmolVLMForConditionalGeneration,
+    )
     from transformers.models.idefics3 import Idefics3ImageProcessorPil
 
     tok = _tokenizer(["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"])
     image_processor = Idefics3ImageProcessorPil(do_image_splitting=False, size={"longest_edge": 16},
                                                 max_image_size={"longest_edge": 16})  # fmt: skip
     processor = Idefics3Processor(image_processor=image_processor, tokenizer=tok, image_seq_len=4)
-    config = Idefics3Config(
+    config_class, model_class = (SmolVLMConfig, SmolVLMForConditionalGeneration) if family == "smolvlm" else (
+        Idefics3Config, Idefics3ForConditionalGeneration)  # fmt: skip
+    config = config_class(
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                            image_size=16, patch_size=4, initializer_range=0.1),
         text_config=dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -131,7 +146,7 @@ def tiny_idefics3(seed: int = 0) -> TinyVLM:
         scale_factor=2, image_token_id=tok.convert_tokens_to_ids("<image>"), pad_token_id=tok.pad_token_id,
     )  # fmt: skip
     torch.manual_seed(seed)
-    model = Idefics3ForConditionalGeneration(config).eval()
+    model = model_class(config).eval()
     model.set_attn_implementation("paged")
 
     def inputs(texts: Sequence[str], images: Sequence[Image.Image]) -> dict[str, torch.Tensor]:
@@ -175,4 +190,11 @@ def tiny_internvl(seed: int = 0) -> TinyVLM:
     return TinyVLM(model, tok, "<image>", inputs)
 
 
-BUILDERS = {"llava": tiny_llava, "qwen2_vl": tiny_qwen2_vl, "idefics3": tiny_idefics3, "internvl": tiny_internvl}
+BUILDERS = {
+    "llava": tiny_llava,
+    "vipllava": functools.partial(tiny_llava, family="vipllava"),
+    "qwen2_vl": tiny_qwen2_vl,
+    "idefics3": tiny_idefics3,
+    "smolvlm": functools.partial(tiny_idefics3, family="smolvlm"),
+    "internvl": tiny_internvl,
+}
