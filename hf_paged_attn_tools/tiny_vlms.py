@@ -93,7 +93,8 @@ def tiny_qwen2_vl(seed: int = 0) -> TinyVLM:
     config = Qwen2VLConfig(
         text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=512,
-                         rope_parameters=rope, initializer_range=0.1),
+                         rope_parameters=rope, initializer_range=0.1, bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id),
         vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=4,
                            spatial_merge_size=2, temporal_patch_size=2, initializer_range=0.1),
         image_token_id=pad, vision_start_token_id=start, vision_end_token_id=end, video_token_id=end + 1,

@@ -22,14 +22,14 @@ def vlm(request):
 def sdpa_generate(model: torch.nn.Module, inputs: dict, **kwargs) -> torch.Tensor:
     model.set_attn_implementation("sdpa")
     try:
-        return model.generate(**inputs, max_new_tokens=NEW, do_sample=False, **kwargs)
+        return model.generate(**inputs, **{"max_new_tokens": NEW, "do_sample": False, **kwargs})
     finally:
         model.set_attn_implementation("paged")
 
 
 def paged_generate(model: torch.nn.Module, inputs: dict, **kwargs) -> torch.Tensor:
     model.set_attn_implementation("paged")
-    return model.generate(**inputs, max_new_tokens=NEW, do_sample=False, **kwargs)
+    return model.generate(**inputs, **{"max_new_tokens": NEW, "do_sample": False, **kwargs})
 
 
 def test_generate_mixes_image_and_text_rows(vlm):
@@ -41,6 +41,16 @@ def test_generate_mixes_image_and_text_rows(vlm):
     # the images matter: another image in row 0 changes sdpa's tokens there (so parity above is not vacuous)
     other = vlm.inputs(texts, [random_image(9), random_image(2, 16, 16), random_image(3, 24, 16)])
     assert not torch.equal(sdpa_generate(vlm.model, other)[0], want[0])
+
+
+@pytest.mark.parametrize("options", [dict(num_beams=2), dict(num_return_sequences=2, do_sample=True, top_k=1)],
+                         ids=["beams", "return_sequences"])  # fmt: skip
+def test_generate_with_beams_and_sequences(options):
+    """Beams and forked sequences carry their request's images (and M-RoPE positions) with them."""
+    for name in ("llava", "qwen2_vl"):
+        vlm = BUILDERS[name]()
+        inputs = vlm.inputs([f"{vlm.image_text} describe", "a row of text"], [random_image(1)])
+        assert torch.equal(paged_generate(vlm.model, inputs, **options), sdpa_generate(vlm.model, inputs, **options))
 
 
 def engine_inputs(vlm, seed: int, text: str = "what is in the picture") -> tuple[list[int], dict]:
