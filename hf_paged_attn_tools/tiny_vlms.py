@@ -27,6 +27,7 @@ class TinyVLM:
     tokenizer: object
     image_text: str  # what a text writes where an image goes
     inputs: Callable[[Sequence[str], Sequence[Image.Image]], dict[str, torch.Tensor]]
+    processor: object | None = None  # the family's processor, where it builds without torchvision
 
 
 def random_image(seed: int, height: int = 20, width: int = 24) -> Image.Image:
@@ -77,7 +78,7 @@ def tiny_llava(seed: int = 0, family: str = "llava") -> TinyVLM:
     def inputs(texts: Sequence[str], images: Sequence[Image.Image]) -> dict[str, torch.Tensor]:
         return dict(processor(images=list(images) or None, text=list(texts), return_tensors="pt", padding=True))
 
-    return TinyVLM(model, tok, "<image>", inputs)
+    return TinyVLM(model, tok, "<image>", inputs, processor)
 
 
 def tiny_qwen2_vl(seed: int = 0) -> TinyVLM:

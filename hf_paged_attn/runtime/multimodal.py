@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -144,11 +145,15 @@ def _digest(inputs: Mapping[str, torch.Tensor]) -> bytes:
 
 @dataclass(slots=True, eq=False)
 class MultimodalInputs:
-    """One request's images. ``positions``: the prompt positions of the image tokens, in order
-    ([num_image_tokens] int64; image ``j`` fills the ``images[j].num_tokens`` after those of the images
-    before it). ``rope_positions`` ([3, prompt_len]) and ``rope_delta``: M-RoPE models' (Qwen-VL) prompt
-    positions, and what a position after the prompt adds to its index. ``embeds``: the encoder's output,
-    [num_image_tokens, hidden], while the prefill still has image tokens to feed."""
+    """One request's images, as ``ContinuousBatchingEngine.add_request(multimodal=)`` takes them: built by
+    ``MultimodalInputs.build(model, prompt, images)`` from ``split_images``' cut of a processor's outputs
+    (``add_request(**processor_outputs)`` builds it itself).
+
+    ``positions``: the prompt positions of the image tokens, in order ([num_image_tokens] int64; image ``j``
+    fills the ``images[j].num_tokens`` after those of the images before it). ``rope_positions``
+    ([3, prompt_len]) and ``rope_delta``: M-RoPE models' (Qwen-VL) prompt positions, and what a position
+    after the prompt adds to its index. ``embeds``: the encoder's output, [num_image_tokens, hidden], while
+    the prefill still has image tokens to feed."""
 
     images: list[Image]
     positions: torch.Tensor
@@ -156,6 +161,13 @@ class MultimodalInputs:
     rope_delta: int = 0
     embeds: torch.Tensor | None = None
     num_encodes: int = 0  # how many times the encoder ran for it (once, unless preempted mid-prefill)
+    # the processor outputs ``add_request`` takes as a prompt's images (the server passes these on)
+    INPUT_NAMES: ClassVar[tuple[str, ...]] = IMAGE_INPUTS + DERIVED_INPUTS
+
+    @staticmethod
+    def takes_images(model: torch.nn.Module) -> bool:
+        """Whether ``model``'s config names an image token (a vision-language model)."""
+        return image_token_id(model.config) is not None
 
     @classmethod
     def build(cls, model: torch.nn.Module, prompt: Sequence[int], images: list[Image]) -> MultimodalInputs:

@@ -53,8 +53,9 @@ def guarded(route: Callable[[Request], Awaitable[Any]]) -> Callable[[Request], A
     return wrapper
 
 
-def build_app(engine: Any, tokenizer: Any, settings: ServeSettings) -> FastAPI:
-    """An app serving ``engine`` (a ContinuousBatchingEngine) under ``settings.model_name``.
+def build_app(engine: Any, tokenizer: Any, settings: ServeSettings, processor: Any = None) -> FastAPI:
+    """An app serving ``engine`` (a ContinuousBatchingEngine) under ``settings.model_name``; ``processor``: a
+    vision-language model's, for chats with images.
 
     The engine thread starts with the app's lifespan and stops with it; requests still running at
     shutdown (after uvicorn's graceful drain) are aborted. ``app.state.engine_loop.abort_all()``
@@ -63,7 +64,7 @@ def build_app(engine: Any, tokenizer: Any, settings: ServeSettings) -> FastAPI:
     """
     metrics = ServeMetrics(lambda: loop.stats)
     loop = EngineLoop(engine, metrics)
-    handlers = Handlers(loop, tokenizer, settings)
+    handlers = Handlers(loop, tokenizer, settings, processor)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
