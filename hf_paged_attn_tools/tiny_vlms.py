@@ -81,9 +81,15 @@ def tiny_llava(seed: int = 0, family: str = "llava") -> TinyVLM:
     return TinyVLM(model, tok, "<image>", inputs, processor)
 
 
-def tiny_qwen2_vl(seed: int = 0) -> TinyVLM:
-    """Qwen2-VL: M-RoPE, dynamic resolution (4x4 patches merged 2x2: a 16x24 image is 6 tokens)."""
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+def tiny_qwen2_vl(seed: int = 0, family: str = "qwen2_vl") -> TinyVLM:
+    """Qwen2-VL: M-RoPE, dynamic resolution (4x4 patches merged 2x2: a 16x24 image is 6 tokens).
+    ``family="qwen2_5_vl"``: Qwen2.5-VL (windowed vision attention, a SwiGLU tower), the same inputs."""
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+    )
     from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
 
     tok = _tokenizer(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"])
@@ -91,19 +97,26 @@ def tiny_qwen2_vl(seed: int = 0) -> TinyVLM:
     image_processor = Qwen2VLImageProcessorPil(min_pixels=8 * 8 * 4, max_pixels=32 * 32 * 4, patch_size=4,
                                                merge_size=2, temporal_patch_size=2)  # fmt: skip
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]}  # head_dim 16
-    config = Qwen2VLConfig(
+    vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=4, spatial_merge_size=2,
+                  temporal_patch_size=2, initializer_range=0.1)  # fmt: skip
+    config_class, model_class = Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    if family == "qwen2_5_vl":  # its tower: hidden_size is the tower's width, out_hidden_size the text model's
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, out_hidden_size=64, num_heads=4, patch_size=4,
+                      spatial_merge_size=2, temporal_patch_size=2, window_size=16, fullatt_block_indexes=[1],
+                      initializer_range=0.1)  # fmt: skip
+        config_class, model_class = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    config = config_class(
         text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=512,
                          rope_parameters=rope, initializer_range=0.1, bos_token_id=tok.bos_token_id,
                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id),
-        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=4,
-                           spatial_merge_size=2, temporal_patch_size=2, initializer_range=0.1),
+        vision_config=vision,
         image_token_id=pad, vision_start_token_id=start, vision_end_token_id=end, video_token_id=end + 1,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
         initializer_range=0.1,
     )  # fmt: skip
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config).eval()
+    model = model_class(config).eval()
     model.set_attn_implementation("paged")
 
     def inputs(texts: Sequence[str], images: Sequence[Image.Image]) -> dict[str, torch.Tensor]:
@@ -196,6 +209,7 @@ BUILDERS = {
     "llava": tiny_llava,
     "vipllava": functools.partial(tiny_llava, family="vipllava"),
     "qwen2_vl": tiny_qwen2_vl,
+    "qwen2_5_vl": functools.partial(tiny_qwen2_vl, family="qwen2_5_vl"),
     "idefics3": tiny_idefics3,
     "smolvlm": functools.partial(tiny_idefics3, family="smolvlm"),
     "internvl": tiny_internvl,
