@@ -11,12 +11,14 @@ from .core.request import RequestOutput, TokenLogprob
 from .integration.register import register
 from .runtime.config import PagedConfig
 from .runtime.engine import ContinuousBatchingEngine
+from .runtime.multimodal import MultimodalInputs
 from .runtime.speculative.config import SpeculativeConfig
 from .runtime.stats import EngineStats
 
 __all__ = [
     "ContinuousBatchingEngine",
     "EngineStats",
+    "MultimodalInputs",
     "PagedAttentionCache",
     "PagedConfig",
     "RequestOutput",

@@ -38,7 +38,7 @@ class StepMetadata:
     """
 
     input_ids: torch.Tensor  # [1, N] int64
-    position_ids: torch.Tensor  # [1, N] int64, per-request positions
+    position_ids: torch.Tensor  # [1, N] int64, per-request positions ([3, 1, N] for M-RoPE requests with images)
     cu_seq_lens_q: torch.Tensor  # [B + 1] int32
     max_length_q: int
     cache_seqlens: torch.Tensor  # [B] int32, tokens cached before this step
@@ -50,6 +50,13 @@ class StepMetadata:
     has_beams: bool = False  # a beam search's beams are among the requests
     # the LoRA adapter of each request (None: the base model); () when every request runs the base model
     adapters: tuple[str | None, ...] = ()
+    # [1, N, hidden]: the model's input instead of input_ids when a chunk feeds image tokens (runtime/multimodal.py)
+    inputs_embeds: torch.Tensor | None = None
+
+    @property
+    def is_multimodal(self) -> bool:
+        """Image features or 3-D positions in the step: it runs eagerly (graphs are of ids and 1-D positions)."""
+        return self.inputs_embeds is not None or self.position_ids.dim() != 2
 
     # group 0's tables under the names of the spec (cu_seq_lens_k, max_length_k, block_table, ...)
     @property

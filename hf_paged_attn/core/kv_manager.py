@@ -154,12 +154,16 @@ class KVBlockManager:
         """Prefix-cache key of full block ``index`` of ``request`` in ``group``. The digests of the
         blocks before it are kept on the request (its tokens are only ever appended), so each
         block is hashed once in the request's life, not once per block that fills after it. The chain
-        starts from the request's adapter's root: two adapters never share a block."""
+        starts from the request's adapter's root: two adapters never share a block; a block an image
+        touches carries the image's digest (``Request.block_extra``)."""
         size, digests, root = self.block_size, request.block_digests, root_digest(request.adapter)
-        while len(digests) < index:  # digests[i]: every token up to the end of block i
+        while len(digests) < index:  # digests[i]: every token (and image) up to the end of block i
             i = len(digests)
-            digests.append(chain_digest(digests[-1] if i else root, tuple(request.token_slice(i * size, size))))
-        return (group, digests[index - 1] if index else root, tuple(request.token_slice(index * size, size)))
+            tokens, extra = tuple(request.token_slice(i * size, size)), request.block_extra(i * size, (i + 1) * size)
+            digests.append(chain_digest(digests[-1] if i else root, tokens, extra))
+        before = digests[index - 1] if index else root
+        extra = request.block_extra(index * size, (index + 1) * size)
+        return (group, before, tuple(request.token_slice(index * size, size)), extra)
 
     # ------------------------------------------------------------------ growth
     def reserve(self, request: Request, num_new: int) -> bool:

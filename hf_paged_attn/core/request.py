@@ -105,6 +105,21 @@ class Request:
     # The LoRA adapter every token of the request runs under (None: the base model); its name roots
     # the request's prefix-cache digests, so K/V computed under one adapter never serves another.
     adapter: str | None = None
+    # Images (runtime/multimodal.py): ``multimodal`` holds their tensors and encoder output, opaque here;
+    # ``mm_spans`` each image's (first prompt position, number of tokens, content digest): the tokens of an
+    # image are placeholders, so the prefix-cache key of every block an image touches carries its digest
+    multimodal: Any = None
+    mm_spans: tuple[tuple[int, int, bytes], ...] = ()
+
+    def block_extra(self, start: int, stop: int) -> bytes:
+        """What the prefix-cache key of the block of positions ``start .. stop - 1`` holds besides its token
+        ids: the position and digest of every image with tokens there (b"" for a block of text alone)."""
+        parts = [
+            first.to_bytes(8, "little") + digest
+            for first, length, digest in self.mm_spans
+            if first < stop and first + length > start
+        ]
+        return b"".join(parts)
 
     @property
     def block_tables(self) -> list[list[int]]:
@@ -210,6 +225,8 @@ class Request:
             num_prompt_logprobs=self.num_prompt_logprobs,
             prompt_logprobs=self.prompt_logprobs,
             adapter=self.adapter,
+            multimodal=self.multimodal,  # a sibling recomputing its prompt after a preemption needs its images
+            mm_spans=self.mm_spans,
         )
 
 

@@ -23,6 +23,7 @@ from ..runtime.engine import ContinuousBatchingEngine
 from ..runtime.lockstep import Lockstep
 from ..runtime.lora import generate_adapters
 from ..runtime.memory import blocks_for_batch
+from ..runtime.multimodal import DERIVED_INPUTS, IMAGE_INPUTS, MultimodalInputs, split_images
 from ..runtime.placement import input_device, layer_kinds
 from ..runtime.sampling import RUN_ANYWAY, make_stopping_criteria
 from ..runtime.speculative.config import with_draft
@@ -73,6 +74,7 @@ def paged_generate(
     for name in ("cache", "past_key_values"):
         if model_kwargs.pop(name, None) is not None:
             raise NotImplementedError(f"{name}= is not supported: the paged engine builds its own cache")
+    image_inputs = {k: model_kwargs.pop(k) for k in (*IMAGE_INPUTS, *DERIVED_INPUTS) if k in model_kwargs}
     if model_kwargs:
         raise NotImplementedError(
             f"model inputs {sorted(model_kwargs)} are not supported by the paged engine; {RUN_ANYWAY}"
@@ -99,6 +101,8 @@ def paged_generate(
             "set max_new_tokens"
         )
     prompts, paddings = _unpad(input_ids, attention_mask)
+    images = split_images(model, prompts, image_inputs)  # each row's, [] for a row of text
+    multimodal = [MultimodalInputs.build(model, p, i) if i else None for p, i in zip(prompts, images)]
     paged_config = paged_config or getattr(model, "paged_config", None) or PagedConfig()
     paged_config = paged_config.for_model(model)  # the engine's kernel and block size
     if assistant is not None:  # k: num_assistant_tokens where the caller set it (its config default, 20, is not ours)
@@ -139,8 +143,8 @@ def paged_generate(
     def run() -> list[RequestOutput]:
         engine = ContinuousBatchingEngine(model, paged_config, config, num_blocks=paged_config.num_blocks or exact_fit)
         engines.append(engine)
-        ids = engine.add_all([dict(input_ids=p, padding=pad, adapter_name=adapter, **common)
-                              for p, pad, adapter in zip(prompts, paddings, adapters)])  # fmt: skip
+        ids = engine.add_all([dict(input_ids=p, padding=pad, adapter_name=adapter, multimodal=mm, **common)
+                              for p, pad, adapter, mm in zip(prompts, paddings, adapters, multimodal)])  # fmt: skip
         if lockstep is not None:
             live = engine.intake.live
             lockstep.bind([[live[rid], *live[rid].children] for rid in ids])

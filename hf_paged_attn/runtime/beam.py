@@ -188,6 +188,7 @@ class BeamGroup:
                 f"{self.head.request_id}/beam", parent.prompt_ids, self.head.max_new_tokens, self.head.sampling,
                 arrival=self.head.arrival, output_ids=list(parent.output_ids), priority=self.head.priority,
                 adapter=self.head.adapter,
+                multimodal=self.head.multimodal, mm_spans=self.head.mm_spans,
             )  # fmt: skip
             beam.group = self
             kv.fork(parent, beam)

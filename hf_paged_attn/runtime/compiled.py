@@ -523,7 +523,7 @@ class CompiledExecutor:
 
     def execute(self, step: StepMetadata) -> torch.Tensor:
         """Logits of the step's sampled rows, [num_sampled, vocab] float32."""
-        if self.failed is not None or not self.layers.observed or step.has_beams:
+        if self.failed is not None or not self.layers.observed or step.has_beams or step.is_multimodal:
             return self._eager(step)
         if not self.compiled.ready.is_set():
             self.compiled.num_eager_steps += 1

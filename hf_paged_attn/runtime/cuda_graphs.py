@@ -165,7 +165,7 @@ class CudaGraphExecutor:
             return None
         if not self.layers.observed:  # the first step shows each layer's window (engine.step)
             return None
-        if step.has_beams:  # beam search runs eagerly
+        if step.has_beams or step.is_multimodal:  # beam search and image steps run eagerly
             return None
         if any(g.block_table.shape[1] > self.width for g in step.groups):
             return None

@@ -32,6 +32,7 @@ from .executor import Launcher, choose_launcher
 from .kv_scales import kv_scales_for
 from .lockstep import Lockstep
 from .marks import marks_for
+from .multimodal import MultimodalInputs, MultimodalSteps, split_images
 from .placement import input_device, layer_kinds
 from .sampling import make_sampling_params, resolve_max_new_tokens
 from .sleep import TAGS, SleepState, allocate_pages, free_pages, pool_bytes, sleep_weights, wake_weights
@@ -116,6 +117,7 @@ class ContinuousBatchingEngine(BatchAPI):
             self.device, self.generator,
         )  # fmt: skip
         self._sleep: SleepState | None = None  # asleep: what sleep() freed (sleep.py)
+        self.multimodal = MultimodalSteps(model)
 
     # ----------------------------------------------------------------------------- requests in
     def add_request(
@@ -137,6 +139,8 @@ class ContinuousBatchingEngine(BatchAPI):
         ignore_eos: bool = False,
         logprobs_mode: str | None = None,
         adapter_name: str | None = None,
+        multimodal: MultimodalInputs | None = None,
+        **image_inputs: torch.Tensor,
     ) -> str:
         """Queue one prompt; returns its request id. Bad input raises ValueError and queues nothing.
 
@@ -159,6 +163,10 @@ class ContinuousBatchingEngine(BatchAPI):
         the distribution ``logprobs`` are taken from.
         ``adapter_name``: the LoRA adapter the request runs under (None or ``"__base__"``: the base model),
         one of the model's PEFT adapters.
+        ``image_inputs``: a vision-language model's image inputs for this prompt, as its processor returns
+        them (``pixel_values``, ``image_grid_thw``, ``image_sizes``, ``pixel_attention_mask``; the prompt
+        holds their image tokens), or ``multimodal``, those already cut into images
+        (``multimodal.MultimodalInputs``). The encoder runs when the prefill reaches the first image token.
         """
         if self._sleep is not None:
             raise RuntimeError("the engine is asleep: call wake_up() before adding requests")
@@ -182,6 +190,13 @@ class ContinuousBatchingEngine(BatchAPI):
         )  # fmt: skip
         request = Request("", prompt, max_new_tokens, sampling, arrival=0, priority=priority)
         request.adapter = self._adapter(adapter_name)
+        if image_inputs:
+            if multimodal is not None:
+                raise ValueError("pass images either as multimodal= or as the processor's outputs, not both")
+            images = split_images(self.model, [prompt], image_inputs)[0]
+            multimodal = MultimodalInputs.build(self.model, prompt, images) if images else None
+        if multimodal is not None and multimodal.images:
+            request.multimodal, request.mm_spans = multimodal, multimodal.spans
         if prompt_logprobs is not None:
             if isinstance(prompt_logprobs, bool) or not isinstance(prompt_logprobs, int) or prompt_logprobs < 0:
                 raise ValueError(f"prompt_logprobs must be None or an int >= 0, got {prompt_logprobs!r}")
@@ -361,6 +376,7 @@ class ContinuousBatchingEngine(BatchAPI):
             scored = prompt_scoring(plan.scheduled)  # prompt_logprobs: the positions this step scores
             step = build_step(plan.scheduled, self.config.block_size, self.device, self.layers,
                               block_copies=plan.block_copies, drafts=drafts, scored=scored)  # fmt: skip
+            step = self.multimodal.prepare(step, plan.scheduled)  # image features and M-RoPE positions, if any
             with self.lora.step(step) if self.lora is not None else contextlib.nullcontext():
                 logits = self.executor.execute(step)
         except Exception as exc:  # one failing step must not take the engine down

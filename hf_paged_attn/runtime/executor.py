@@ -74,8 +74,9 @@ class LocalExecutor:
         """The model's logits of the rows ``logits_to_keep`` keeps (0: every row), [rows, vocab] as
         the model returns them."""
         context = ForwardContext(step, self.backend)
+        tokens = {"input_ids": step.input_ids} if step.inputs_embeds is None else {"inputs_embeds": step.inputs_embeds}
         with self.cache.forward(context):
-            out = self.model(input_ids=step.input_ids, position_ids=step.position_ids, cache=self.cache,
+            out = self.model(**tokens, position_ids=step.position_ids, cache=self.cache,
                              use_cache=True, paged_forward=context, logits_to_keep=logits_to_keep)  # fmt: skip
         return out.logits[0]
 

@@ -54,9 +54,11 @@ def guarded(route: Callable[[Request], Awaitable[Any]]) -> Callable[[Request], A
     return wrapper
 
 
-def build_app(engine: Any, tokenizer: Any, settings: ServeSettings, adapters: ServedAdapters | None = None) -> FastAPI:
+def build_app(
+    engine: Any, tokenizer: Any, settings: ServeSettings, adapters: ServedAdapters | None = None, processor: Any = None
+) -> FastAPI:
     """An app serving ``engine`` (a ContinuousBatchingEngine) under ``settings.model_name``, and its LoRA
-    adapters (``adapters.py``) under theirs.
+    adapters (``adapters.py``) under theirs; ``processor``: a vision-language model's, for chats with images.
 
     The engine thread starts with the app's lifespan and stops with it; requests still running at
     shutdown (after uvicorn's graceful drain) are aborted. ``app.state.engine_loop.abort_all()``
@@ -66,7 +68,7 @@ def build_app(engine: Any, tokenizer: Any, settings: ServeSettings, adapters: Se
     metrics = ServeMetrics(lambda: loop.stats)
     loop = EngineLoop(engine, metrics)
     adapters = adapters or ServedAdapters(settings.model_name)
-    handlers = Handlers(loop, tokenizer, settings, adapters)
+    handlers = Handlers(loop, tokenizer, settings, adapters, processor)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import math
 import os
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import PagedConfig, SpeculativeConfig
+from .images import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES
 from .limits import CHARS_PER_TOKEN, DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DRAIN_GRACE_S, MAX_HEADER_BYTES
 
 logger = logging.getLogger("hf_paged_attn.serve")
@@ -66,6 +68,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     lim.add_argument("--max-prompt-chars", type=int,
                      help=f"most characters in a prompt (chat: all messages), checked before tokenizing "
                           f"(default: {CHARS_PER_TOKEN} x the model's context length)")
+    lim.add_argument("--limit-mm-per-prompt", type=_image_limit, default=DEFAULT_MAX_IMAGES, metavar="N",
+                     help="most images in one chat request, more get 400: N or vLLM's JSON '{\"image\": N}' "
+                          "(default: %(default)s; 0: no images)")
+    lim.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
+                     help="largest image (width x height) in a chat request; larger ones get 413 "
+                          "(default: %(default)s)")
     lim.add_argument("--http", choices=("auto", "httptools", "h11"), default="auto",
                      help="uvicorn's HTTP parser: httptools (auto, when installed) is faster; h11 caps request "
                           f"headers at {MAX_HEADER_BYTES // 1024} KiB (431 past it), httptools has no cap")
@@ -134,6 +142,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _image_limit(value: str) -> int:
+    """``--limit-mm-per-prompt``: an int, or vLLM's JSON ``{"image": N}``."""
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        parsed = None
+    if isinstance(parsed, dict) and set(parsed) <= {"image"}:
+        parsed = parsed.get("image", 0)
+    if isinstance(parsed, bool) or not isinstance(parsed, int) or parsed < 0:
+        raise argparse.ArgumentTypeError(f"expected N >= 0 or {{\"image\": N}}, got {value!r}")
+    return parsed
+
+
+def load_processor(path: str, model: Any) -> Any:
+    """The processor of a vision-language model at ``path`` (chats with images), or None: a text model,
+    or a processor that does not load (a warning says why; chats with images then get 400)."""
+    from .. import MultimodalInputs
+
+    if not MultimodalInputs.takes_images(model):
+        return None
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(path)
+    except Exception as exc:  # e.g. a processor that needs torchvision
+        logging.getLogger("hf_paged_attn.serve").warning("no image processor for %s (%s): chats with images get "
+                                                         "400", path, exc)  # fmt: skip
+        return None
+
+
 def paged_config(args: argparse.Namespace) -> PagedConfig:
     """The PagedConfig the flags describe (ValueError naming a bad field)."""
     names = ("block_size", "num_blocks", "memory_fraction", "kv_cache_memory_bytes", "kv_cache_dtype", "max_num_seqs",
@@ -186,7 +224,13 @@ def load(args: argparse.Namespace, adapters: Any = None, modules: Sequence[tuple
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
     sharded = {"tp_plan": args.tp_plan} if args.tp_plan else {}  # transformers places each rank's shard
-    model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="paged", dtype=dtype, **sharded)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="paged", dtype=dtype, **sharded)
+    except ValueError:  # a vision-language model with no causal-LM mapping (LLaVA, Qwen2-VL, ...)
+        from transformers import AutoModelForImageTextToText
+
+        model = AutoModelForImageTextToText.from_pretrained(args.model, attn_implementation="paged", dtype=dtype,
+                                                            **sharded)  # fmt: skip
     model = (model if sharded else model.to(device)).eval()
     if not is_driver(model):
         serve_worker(model)
@@ -240,8 +284,9 @@ def main(argv: list[str] | None = None) -> int:
         body_timeout=args.body_timeout or None, max_prompt_chars=args.max_prompt_chars,
         tool_call_parser=args.tool_call_parser, rl_endpoints=args.enable_rl_endpoints,
         lora_updates=args.enable_lora,
+        max_images=args.limit_mm_per_prompt, max_image_pixels=args.max_image_pixels,
     )
-    app = build_app(engine, tokenizer, settings, adapters)
+    app = build_app(engine, tokenizer, settings, adapters, processor=load_processor(args.model, engine.model))
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"

@@ -33,9 +33,10 @@ from transformers import GenerationConfig
 
 from .adapters import ServedAdapters
 from .body import check_content_type, parse_json, read_body
-from .chat import chat_prompt_ids
+from .chat import chat_prompt_ids, control_strings
 from .engine_loop import EngineLoop
 from .errors import APIError, dumps, json_response
+from .images import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES, decode_image, image_prompt
 from .jobs import ChoiceEvent, Job, JobRun, TokenInfo
 from .limits import CHARS_PER_TOKEN, DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, TOKENIZER_THREADS, RequestLimits
 from .protocol import ChatCompletionRequest, CompletionRequest, parse
@@ -67,11 +68,13 @@ class ServeSettings:
     rl_endpoints: bool = False
     # /v1/load_lora_adapter and /v1/unload_lora_adapter (--enable-lora); off by default: they read paths on disk
     lora_updates: bool = False
+    max_images: int = DEFAULT_MAX_IMAGES  # images in one chat request (more: 400)
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # width x height of one image (more: 413)
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in ("auto", *FORMATS):
             raise ValueError(f"tool_call_parser must be auto, {', '.join(FORMATS)}; got {self.tool_call_parser!r}")
-        for name in ("max_queue", "max_body_bytes"):
+        for name in ("max_queue", "max_body_bytes", "max_image_pixels"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
@@ -87,10 +90,11 @@ class Handlers:
     releases the GIL)."""
 
     def __init__(self, loop: EngineLoop, tokenizer: Any, settings: ServeSettings,
-                 adapters: ServedAdapters | None = None) -> None:  # fmt: skip
+                 adapters: ServedAdapters | None = None, processor: Any = None) -> None:  # fmt: skip
         self.loop = loop
         self.adapters = adapters or ServedAdapters(settings.model_name)
         self.tokenizer = tokenizer
+        self.processor = processor  # a vision-language model's: chats with images (serve/images.py)
         self.settings = settings
         engine = loop.engine
         self.generation_config: GenerationConfig = engine.generation_config
@@ -163,7 +167,7 @@ class Handlers:
         return json_response({**meta, "object": "text_completion", "choices": choices, "usage": _usage(job)})
 
     async def chat(self, request: Request) -> Any:
-        req, prompt, structure = await self._off_loop(self._prepare_chat, await self._body(request))
+        req, prompt, structure, images = await self._off_loop(self._prepare_chat, await self._body(request))
         limit = req.token_limit()
         if limit is None:  # the generation config's max_new_tokens, raised to min_tokens, within the context
             rest = self.context_length - len(prompt)
@@ -171,6 +175,7 @@ class Handlers:
             limit = min(wanted, rest) if rest > 0 else 1
         top = (req.top_logprobs or 0) if req.logprobs else None
         job = self._job(req, [prompt], [limit], top, prompt_param="messages", structure=structure)
+        job.engine_kwargs.update(images)  # pixel_values, ...: every choice's request gets the chat's images
         run = await self._start(job)
         tools = self.tool_format if req.parses_tool_calls() else None
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": req.model}
@@ -213,10 +218,31 @@ class Handlers:
         prompts, texts = self._completion_prompts(req.prompts())
         return req, prompts, texts
 
-    def _prepare_chat(self, data: bytes) -> tuple[ChatCompletionRequest, list[int], Structure]:
+    def _prepare_chat(self, data: bytes) -> tuple[ChatCompletionRequest, list[int], Structure, dict[str, Any]]:
         req: ChatCompletionRequest = parse(ChatCompletionRequest, parse_json(data), self.limits)
         self._check_model(req.model)
-        return req, self._chat_prompt(req), self._chat_structure(req)
+        urls = [url for m in req.messages for url in m.image_urls()]
+        if not urls:
+            return req, self._chat_prompt(req), self._chat_structure(req), {}
+        prompt, images = self._image_chat_prompt(req, urls)
+        return req, prompt, self._chat_structure(req), images
+
+    def _image_chat_prompt(self, req: ChatCompletionRequest, urls: list[str]) -> tuple[list[int], dict[str, Any]]:
+        """The prompt ids and image inputs of a chat with images (``serve/images.py``)."""
+        if self.processor is None:
+            raise APIError(400, "this model takes no images (it has no image processor)", "messages",
+                           "unsupported_content")  # fmt: skip
+        if len(urls) > self.settings.max_images:
+            raise APIError(400, f"a request may hold at most {self.settings.max_images} images; this one has "
+                           f"{len(urls)}", "messages", "too_many_images")  # fmt: skip
+        template = self.settings.chat_template or getattr(self.processor, "chat_template", None)
+        template = template or getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            raise APIError(400, "this model has no chat template; start the server with --chat-template FILE",
+                           "messages", "no_chat_template")
+        images = [decode_image(url, self.settings.max_image_pixels) for url in urls]
+        messages = [m.for_template() for m in req.messages]
+        return image_prompt(self.processor, template, messages, images, control_strings(self.tokenizer))
 
     def _tokenize(self, data: bytes) -> dict[str, Any]:
         req = parse_tokenize(parse_json(data), self.limits)

@@ -280,10 +280,25 @@ class ContentPart(BaseModel):
     text: _text()
 
 
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    url: _text(min_length=1)  # a data: URL (serve/images.py); the body's size bounds it
+    detail: Literal["auto", "low", "high"] | None = None  # OpenAI's; the processor decides the resolution
+
+
+class ImagePart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+Part = Annotated[ContentPart | ImagePart, Field(discriminator="type")]
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: _text() | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
+    content: _text() | Annotated[list[Part], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     name: _text(MAX_NAME_CHARS) | None = None
     tool_calls: Annotated[list[MessageToolCall], Field(max_length=MAX_TOOLS)] | None = None  # assistant
     tool_call_id: _text(MAX_ID_CHARS) | None = None  # tool: the call this answers
@@ -306,11 +321,22 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, ContentPart))
+
+    def image_urls(self) -> list[str]:
+        """The message's image URLs, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [part.image_url.url for part in self.content if isinstance(part, ImagePart)]
 
     def for_template(self) -> dict[str, Any]:
-        """The message as chat templates take it (transformers' shape: a call's arguments as a dict)."""
-        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        """The message as chat templates take it (transformers' shape: a call's arguments as a dict; a message
+        with images as the parts processors' templates take, ``{"type": "image"}`` where each image goes)."""
+        content: Any = self.text()
+        if self.image_urls():
+            content = [{"type": "text", "text": p.text} if isinstance(p, ContentPart) else {"type": "image"}
+                       for p in self.content]  # fmt: skip
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
         if self.tool_calls:
             message["tool_calls"] = [call.for_template() for call in self.tool_calls]
         if self.role == "tool":

@@ -46,7 +46,7 @@ def key(before: list[tuple[int, ...]], tokens: tuple[int, ...], group: int = 0):
     digest = ROOT_DIGEST
     for block in before:
         digest = chain_digest(digest, block)
-    return (group, digest, tokens)
+    return (group, digest, tokens, b"")
 
 
 def test_prefix_lookup_walks_the_chain_and_verifies_tokens():

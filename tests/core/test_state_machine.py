@@ -340,7 +340,7 @@ class Simulation:
             self._check_reads(r)
 
         # Every cached block holds its key's tokens, after exactly the prefix its key's digest names.
-        for (group, digest, tokens), block in alloc._cached.items():
+        for (group, digest, tokens, _images), block in alloc._cached.items():
             content = self.pages[block]
             assert group == 0, "one attention group here"
             assert all(c is not None for c in content), f"cached block {block} is not full"
