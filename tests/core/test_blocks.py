@@ -64,11 +64,11 @@ def test_prefix_lookup_walks_the_chain_and_verifies_tokens():
 def test_each_adapter_roots_its_own_chain():
     alloc = prefix_allocator()
     (a,) = alloc.allocate(1)
-    alloc.register(a, (0, chain_digest(root_digest("x"), (1, 2)), (3, 4)))
+    alloc.register(a, (0, chain_digest(root_digest("x"), (1, 2)), (3, 4), b""))
     assert root_digest(None) == ROOT_DIGEST
     assert len({root_digest(None), root_digest("x"), root_digest("y")}) == 3
     assert alloc.lookup([(1, 2), (3, 4)], adapter="x") == []  # the first block was never registered
-    alloc.register(alloc.allocate(1)[0], (0, root_digest("x"), (1, 2)))
+    alloc.register(alloc.allocate(1)[0], (0, root_digest("x"), (1, 2), b""))
     assert len(alloc.lookup([(1, 2), (3, 4)], adapter="x")) == 2
     assert alloc.lookup([(1, 2), (3, 4)], adapter="y") == alloc.lookup([(1, 2), (3, 4)]) == []
     disabled = BlockAllocator(4)
