@@ -93,7 +93,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     lo.add_argument("--enable-lora", action="store_true",
                     help="LoRA adapters, and POST /v1/load_lora_adapter and /v1/unload_lora_adapter while serving "
                          "(they read paths on this machine's disk; behind --api-key)")
-    lo.add_argument("--max-loras", type=int, help="most adapters loaded at once; a load past it gets 400")
+    lo.add_argument("--max-loras", type=int, help="most adapters resident at once; loading another evicts the least "
+                    "recently used idle one (reloaded from its path when named again), 400 when all have requests")
+    lo.add_argument("--max-lora-memory", type=float, metavar="GIB",
+                    help="most GiB of adapter weights resident at once (float32, as PEFT keeps them), evicting as "
+                    "--max-loras does; every load is also checked against the device's free memory")
     lo.add_argument("--max-lora-rank", type=int, help="largest adapter rank loaded; a larger one gets 400")
     g = p.add_argument_group("paged engine (PagedConfig)")
     g.add_argument("--block-size", type=int)
@@ -137,6 +141,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("max_loras", "max_lora_rank"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.max_lora_memory is not None and args.max_lora_memory <= 0:
+        p.error(f"--max-lora-memory must be > 0, got {args.max_lora_memory}")
     if args.speculative and args.speculative.startswith("ngram") == bool(args.draft_model):
         p.error(f"--speculative {args.speculative}: ngram:K goes without --draft-model, draft:K with it")
     return args
@@ -196,7 +202,8 @@ def served_adapters(args: argparse.Namespace) -> tuple[Any, list[tuple[str, str]
     """(the server's ``ServedAdapters``, the ``--lora-modules`` as (name, path)), ValueError naming a bad one."""
     from .adapters import ServedAdapters, parse_lora_module
 
-    adapters = ServedAdapters(args.served_model_name or args.model, args.max_loras, args.max_lora_rank)
+    memory = None if args.max_lora_memory is None else int(args.max_lora_memory * 2**30)
+    adapters = ServedAdapters(args.served_model_name or args.model, args.max_loras, args.max_lora_rank, memory)
     return adapters, [parse_lora_module(spec) for spec in args.lora_modules]
 
 
@@ -242,10 +249,7 @@ def load(args: argparse.Namespace, adapters: Any = None, modules: Sequence[tuple
     if modules:
         from .adapters import with_adapters
 
-        for name, path in modules:
-            adapters.check_start(name, path)
-            adapters.served[name] = (name, path)
-        model = with_adapters(model, list(modules))
+        model = with_adapters(model, adapters.start(list(modules)))  # past --max-loras: loaded when named
     return ContinuousBatchingEngine(model, config), tokenizer
 
 

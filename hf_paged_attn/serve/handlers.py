@@ -138,10 +138,11 @@ class Handlers:
     async def completions(self, request: Request) -> Any:
         req, prompts, texts = await self._off_loop(self._prepare_completion, await self._body(request))
         limit = req.max_tokens if req.max_tokens is not None else 16  # an explicit null: OpenAI's default
-        job = self._job(req, prompts, [limit] * len(prompts), req.logprobs, structure=req.structured(),
-                        prompt_logprobs=req.num_prompt_logprobs())  # fmt: skip
+        async with self.adapters.using(self.loop, req.model):  # an evicted adapter loads again
+            job = self._job(req, prompts, [limit] * len(prompts), req.logprobs, structure=req.structured(),
+                            prompt_logprobs=req.num_prompt_logprobs())  # fmt: skip
+            run = await self._start(job)
         echo = texts if req.echo else [""] * len(prompts)
-        run = await self._start(job)
         meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": req.model}
         if req.stream:
             return _sse(_completion_chunks(run, meta, echo, StreamUsage.of(req), bool(req.return_tokens_as_token_ids)))
@@ -174,9 +175,10 @@ class Handlers:
             wanted = max(self.generation_config.max_new_tokens or rest, req.min_tokens or 0)
             limit = min(wanted, rest) if rest > 0 else 1
         top = (req.top_logprobs or 0) if req.logprobs else None
-        job = self._job(req, [prompt], [limit], top, prompt_param="messages", structure=structure)
-        job.engine_kwargs.update(images)  # pixel_values, ...: every choice's request gets the chat's images
-        run = await self._start(job)
+        async with self.adapters.using(self.loop, req.model):
+            job = self._job(req, [prompt], [limit], top, prompt_param="messages", structure=structure)
+            job.engine_kwargs.update(images)  # pixel_values, ...: every choice's request gets the chat's images
+            run = await self._start(job)
         tools = self.tool_format if req.parses_tool_calls() else None
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": req.model}
         if req.stream:

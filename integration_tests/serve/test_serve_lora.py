@@ -1,5 +1,6 @@
 """LoRA adapters on the server, as vLLM serves them: ``--lora-modules``, ``model`` picking one, /v1/models,
-/v1/load_lora_adapter (and ``load_inplace``) and /v1/unload_lora_adapter, each answer against PEFT on sdpa."""
+/v1/load_lora_adapter (and ``load_inplace``) and /v1/unload_lora_adapter, ``--max-loras`` evicting the least
+recently used adapter and reloading it when named, each answer against PEFT on sdpa."""
 
 from __future__ import annotations
 
@@ -100,8 +101,12 @@ def test_load_inplace_and_unload(server, reference, adapter_dirs):
     status, text = call(server, "POST", "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": adapter_dirs["b"]})
     assert status == 200, text
     assert tokens(server, "b") == reference("b")
-    status, payload = call(server, "POST", "/v1/load_lora_adapter", {"lora_name": "c", "lora_path": adapter_dirs["b"]})
-    assert status == 400 and payload["error"]["code"] == "max_loras", payload  # --max-loras 2
+    # --max-loras 2: c's load evicts a (the least recently used, idle); naming a reloads it from its path
+    status, text = call(server, "POST", "/v1/load_lora_adapter", {"lora_name": "c", "lora_path": adapter_dirs["b"]})
+    assert status == 200, text
+    assert {card["id"] for card in call(server, "GET", "/v1/models")[1]["data"]} == {"demo", "a", "b", "c"}
+    assert tokens(server, "a") == reference("a")
+    assert tokens(server, "c") == reference("b")
     status, payload = call(server, "POST", "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": adapter_dirs["a"]})
     assert status == 400, payload  # loaded already, and load_inplace not asked for
     body = {"lora_name": "a", "lora_path": adapter_dirs["b"], "load_inplace": True}
@@ -110,5 +115,5 @@ def test_load_inplace_and_unload(server, reference, adapter_dirs):
     assert call(server, "POST", "/v1/unload_lora_adapter", {"lora_name": "b"})[0] == 200
     status, payload = call(server, "POST", "/v1/completions", {"model": "b", "prompt": PROMPT, "max_tokens": 2})
     assert status == 404, payload
-    assert {card["id"] for card in call(server, "GET", "/v1/models")[1]["data"]} == {"demo", "a"}
+    assert {card["id"] for card in call(server, "GET", "/v1/models")[1]["data"]} == {"demo", "a", "c"}
     assert tokens(server, "demo") == reference(None)
