@@ -216,13 +216,15 @@ class CompiledModel:
     model: weakref.ReferenceType[torch.nn.Module] | None = None
     marks: ModelMarks = field(default_factory=ModelMarks)  # what the graph needs on the model (``marks.py``)
 
-    def start(self, device: torch.device, thread_counts: Sequence[int] = ()) -> None:
+    def start(self, device: torch.device, thread_counts: Sequence[int] = (), background: bool = True) -> None:
         """Compile in the background, once (later calls do nothing), one graph at the largest of
-        ``thread_counts`` (default the caller's count), which serves steps of every count (``STEP_THREADS``)."""
+        ``thread_counts`` (default the caller's count), which serves steps of every count (``STEP_THREADS``).
+        ``background``: beside steps that serve requests; False: someone waits for it (``wait_compiled``,
+        ``compile="startup"``)."""
         with self.lock:
             if self.thread is not None:
                 return
-            args = (device, tuple(thread_counts) or (torch.get_num_threads(),))
+            args = (device, tuple(thread_counts) or (torch.get_num_threads(),), background)
             self.weights = fingerprint(self.tensors)
             install_compile_patches()  # before the thread can trace
             release = self.marks.open()  # the trace reads the marks: on the model until the compile ends
@@ -235,13 +237,15 @@ class CompiledModel:
             _COMPILING.add(self.thread)
             self.thread.start()
 
-    def _compile(self, release: Callable[[], None], device: torch.device, thread_counts: tuple[int, ...]) -> None:
+    def _compile(
+        self, release: Callable[[], None], device: torch.device, thread_counts: tuple[int, ...], background: bool
+    ) -> None:
         # A new thread takes torch's process-wide count at its first query, which an engine step may
         # have set to 1 for a moment: query first, then set (else the set could be undone by the init).
         torch.get_num_threads()
         logger.warning(
-            "hf_paged_attn: compiling the model's forward in the background (once per model and process; steps run "
-            "eagerly meanwhile; PagedConfig(compile=False) turns it off)"
+            "hf_paged_attn: compiling the model's forward%s (once per model and process; steps run eagerly meanwhile; "
+            "PagedConfig(compile=False) turns it off)", " in the background" if background else ""
         )
         start = time.perf_counter()
         try:
@@ -484,7 +488,7 @@ def wait_compiled(model: torch.nn.Module, timeout: float | None = None) -> bool:
     found = _MODELS.get(model)
     if found is None:
         return False
-    found.start(next(model.parameters()).device)
+    found.start(next(model.parameters()).device, background=False)
     return found.ready.wait(timeout) and found.failed is None
 
 
@@ -517,7 +521,7 @@ class CompiledExecutor:
         """Start the compile if it has not started, and wait for it; True when the graph is ready."""
         if self.compiled is None:
             return False
-        self.compiled.start(next(self.eager.model.parameters()).device, self.thread_counts)
+        self.compiled.start(next(self.eager.model.parameters()).device, self.thread_counts, background=False)
         self.compiled.ready.wait(timeout)
         return self.compiled.ready.is_set() and self.compiled.failed is None
 

@@ -76,8 +76,12 @@ class PagedConfig:
             reuses it. ``None`` (the default): on for a model on the CPU when a C++ compiler is
             found (where it was measured to win: docs/performance.md) and ``COMPILE_BY_DEFAULT`` is true,
             off elsewhere; ``True`` on
-            another device raises ValueError; ``False``: eager forwards. A failed compile is logged
-            and the engine runs eagerly.
+            another device raises ValueError; ``False``: eager forwards; ``"startup"``: as ``True``, but
+            the engine compiles while it is made (one eager warm-up step of a one-token request, then the
+            compile, in the caller's thread: seconds with inductor's disk cache warm), so its first request
+            already runs compiled; ``True`` / ``None`` compile in the background once the model has run
+            ``compiled.COMPILE_AFTER_STEPS`` steps, the steps before running eagerly. A failed compile is
+            logged and the engine runs eagerly.
         fp32_matmuls: a bfloat16 / float16 model's linear layers computed in float32 on float32
             copies of their weights (``fp32_matmuls.py``: the same rounding as a half-precision
             matmul, whose products are exact in float32; the copies take 4 bytes per weight and stay
@@ -115,7 +119,7 @@ class PagedConfig:
     scheduling_policy: str = "fcfs"
     hybrid_kv: bool = True
     cuda_graphs: bool | None = None
-    compile: bool | None = None
+    compile: bool | str | None = None
     fp32_matmuls: bool | None = None
     adaptive_threads: bool | None = None
     speculative: SpeculativeConfig | None = None
@@ -131,8 +135,10 @@ class PagedConfig:
             raise ValueError(f"PagedConfig.hybrid_kv must be a bool, got {self.hybrid_kv!r}")
         if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"PagedConfig.cuda_graphs must be None or a bool, got {self.cuda_graphs!r}")
-        if self.compile is not None and not isinstance(self.compile, bool):
-            raise ValueError(f"PagedConfig.compile must be None or a bool, got {self.compile!r}")
+        if not (self.compile is None or isinstance(self.compile, bool) or self.compile == COMPILE_AT_STARTUP):
+            raise ValueError(
+                f"PagedConfig.compile must be None, a bool or {COMPILE_AT_STARTUP!r}, got {self.compile!r}"
+            )
         if self.fp32_matmuls is not None and not isinstance(self.fp32_matmuls, bool):
             raise ValueError(f"PagedConfig.fp32_matmuls must be None or a bool, got {self.fp32_matmuls!r}")
         if self.adaptive_threads is not None and not isinstance(self.adaptive_threads, bool):
@@ -213,8 +219,8 @@ class PagedConfig:
         cuda_graphs = graphs_can_run if self.cuda_graphs is None else self.cuda_graphs
         if self.compile and device.type != "cpu":
             raise ValueError(
-                f"PagedConfig.compile=True is for models on the CPU (where it is measured); the model is on "
-                f"{device.type}. Leave compile=None to compile where it wins"
+                f"PagedConfig.compile={self.compile!r} is for models on the CPU (where it is measured); the model "
+                f"is on {device.type}. Leave compile=None to compile where it wins"
             )
         compile_ = self.compile if self.compile is not None else compile_by_default(device)
         if self.fp32_matmuls and device.type != "cpu":
@@ -249,6 +255,8 @@ def page_head_dim(model: torch.nn.Module) -> int | None:
     ]
     return max(dims, default=None)
 
+
+COMPILE_AT_STARTUP = "startup"  # PagedConfig.compile: compile while the engine is made, not in the background
 
 # What ``PagedConfig(compile=None)`` means where a compile can run. A process that wants every such engine eager
 # (a test suite of tiny models, which compile for longer than they run) sets it to False once; one engine's

@@ -4,6 +4,7 @@ the scheduler's plan, the executor's forward, the update from its logits."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 import weakref
@@ -27,7 +28,7 @@ from ..kernels.kv_dtype import KV_CACHE_DTYPES, page_dtype
 from . import lora
 from .batch_api import BatchAPI
 from .beam import BeamGroup
-from .config import LOGPROBS_MODES, PagedConfig
+from .config import COMPILE_AT_STARTUP, LOGPROBS_MODES, PagedConfig
 from .executor import Launcher, choose_launcher
 from .kv_scales import kv_scales_for
 from .lockstep import Lockstep
@@ -40,6 +41,8 @@ from .speculative.speculator import build_speculator
 from .stats import EngineStats, StepCounters
 from .update import Updater
 from .weight_loading import load_directory, load_named_tensors
+
+logger = logging.getLogger(__name__)
 
 
 class ContinuousBatchingEngine(BatchAPI):
@@ -118,6 +121,25 @@ class ContinuousBatchingEngine(BatchAPI):
         )  # fmt: skip
         self._sleep: SleepState | None = None  # asleep: what sleep() freed (sleep.py)
         self.multimodal = MultimodalSteps(model)
+        if config.compile == COMPILE_AT_STARTUP:
+            self._compile_now()
+
+    def _compile_now(self) -> None:
+        """``PagedConfig(compile="startup")``: the compile before any request is served. A one-token request
+        runs first, eagerly: the graph serves only steps after an engine's first (which confirms each layer's
+        window, ``LayerKinds.observe``, and runs the model checks the graph skips). The counters start again
+        after it, so the warm-up shows in no statistic."""
+        wait = getattr(self.executor, "wait", None)  # a compiled executor's (none: tensor parallel, off the CPU)
+        if wait is None:
+            return
+        start = time.perf_counter()
+        warm_up = self.add_request([0], generation_config=GenerationConfig(max_new_tokens=1, do_sample=False))
+        while not any(o.request_id == warm_up and o.finished for o in self.step()):
+            pass
+        ready = wait()
+        self.counters = self.updater.counters = StepCounters()
+        logger.info("hf_paged_attn: compiled at start-up in %.1f s (graph %s)", time.perf_counter() - start,
+                    "ready" if ready else "failed: steps run eagerly")  # fmt: skip
 
     # ----------------------------------------------------------------------------- requests in
     def add_request(

@@ -50,10 +50,14 @@ def run(engine: ContinuousBatchingEngine, prompts: list[list[int]], new: int) ->
 
 
 def test_config_switch_validates(monkeypatch) -> None:
-    with pytest.raises(ValueError, match=r"PagedConfig.compile must be None or a bool"):
-        PagedConfig(compile="yes")
+    for bad in ("yes", 1, "Startup"):
+        with pytest.raises(ValueError, match=r"PagedConfig.compile must be None, a bool or 'startup'"):
+            PagedConfig(compile=bad)
     with pytest.raises(ValueError, match=r"compile=True is for models on the CPU"):
         PagedConfig(kernel="torch", compile=True).resolved(torch.device("cuda"))
+    with pytest.raises(ValueError, match=r"compile='startup' is for models on the CPU"):
+        PagedConfig(kernel="torch", compile="startup").resolved(torch.device("cuda"))
+    assert PagedConfig(compile="startup").resolved(CPU).compile == "startup"
     assert PagedConfig(kernel="torch").resolved(torch.device("cuda")).compile is False
     assert PagedConfig(compile=False).resolved(CPU).compile is False
     assert PagedConfig(compile=True).resolved(CPU).compile is True
@@ -287,6 +291,21 @@ def test_a_short_run_does_not_compile(llama_dir) -> None:
         run(engine, ragged_prompts(2, 3, 9, seed=2), 8)  # 8 steps: fewer than COMPILE_AFTER_STEPS
         assert engine.executor.compiled.thread is None
         assert 0 < engine.executor.compiled.num_eager_steps < compiled_module.COMPILE_AFTER_STEPS
+
+
+def test_compile_at_startup_serves_the_first_request_compiled(llama_dir) -> None:
+    """``compile="startup"``: the engine compiles while it is made, its warm-up out of the statistics, so every
+    step of its first request runs through the graph; tokens equal sdpa's."""
+    ref, paged = load_pair(llama_dir)  # a fresh model: nothing compiled for it yet
+    prompts = ragged_prompts(3, 3, 30, seed=5)
+    expected = greedy(ref, prompts, 6)
+    with ContinuousBatchingEngine(paged, ON.replace(compile="startup")) as engine:
+        executor = getattr(engine.executor, "inner", engine.executor)
+        assert executor.graph_ready and executor.compiled.num_compiles == 1
+        assert engine.stats.num_steps == 0 and executor.num_compiled_steps == 0
+        got = run(engine, prompts, 6)
+        assert executor.num_compiled_steps == engine.stats.num_steps > 0  # the first step included
+    assert not compare_greedy(ref, prompts, expected, got)
 
 
 EXIT_SCRIPT = """
