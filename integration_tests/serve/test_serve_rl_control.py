@@ -18,8 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
 from hf_paged_attn.demo import DEMO_MODEL
-from hf_paged_attn.serve.app import build_app
-from hf_paged_attn.serve.handlers import ServeSettings
+from integration_tests.serve.asgi import run_in_app
 
 NAME = "demo"
 TIMEOUT = 60.0
@@ -60,14 +59,7 @@ def sdpa_greedy(weights: dict[str, torch.Tensor] | None, ids: list[int], n: int)
 
 
 def run(engine: Any, tokenizer: Any, scenario: Any, **settings: Any) -> Any:
-    async def main() -> Any:
-        app = build_app(engine, tokenizer, ServeSettings(model_name=NAME, **settings))
-        async with app.router.lifespan_context(app):
-            transport = httpx2.ASGITransport(app=app)
-            async with httpx2.AsyncClient(transport=transport, base_url="http://test", timeout=TIMEOUT) as client:
-                return await scenario(client)
-
-    return asyncio.run(asyncio.wait_for(main(), TIMEOUT))
+    return run_in_app(engine, tokenizer, scenario, NAME, TIMEOUT, **settings)
 
 
 async def greedy_ids(client: httpx2.AsyncClient, ids: list[int], n: int) -> list[int]:

@@ -5,7 +5,6 @@ the routes need the API key and the flag. Every wait is bounded by TIMEOUT."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import fastapi  # noqa: F401  (a [dev] dependency: its absence fails the suite)
@@ -16,8 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
 from hf_paged_attn.demo import DEMO_MODEL
-from hf_paged_attn.serve.app import build_app
-from hf_paged_attn.serve.handlers import ServeSettings
+from integration_tests.serve.asgi import run_in_app
 
 NAME = "demo"
 TIMEOUT = 60.0
@@ -43,14 +41,7 @@ def make_engine(num_blocks: int) -> ContinuousBatchingEngine:
 
 
 def run(engine: Any, tokenizer: Any, scenario: Any, **settings: Any) -> Any:
-    async def main() -> Any:
-        app = build_app(engine, tokenizer, ServeSettings(model_name=NAME, **settings))
-        async with app.router.lifespan_context(app):
-            transport = httpx2.ASGITransport(app=app)
-            async with httpx2.AsyncClient(transport=transport, base_url="http://test", timeout=TIMEOUT) as client:
-                return await scenario(client)
-
-    return asyncio.run(asyncio.wait_for(main(), TIMEOUT))
+    return run_in_app(engine, tokenizer, scenario, NAME, TIMEOUT, **settings)
 
 
 async def completion(client: httpx2.AsyncClient, n: int = 8) -> httpx2.Response:
