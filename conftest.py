@@ -17,7 +17,7 @@ from hf_paged_attn.runtime import config as _paged_config  # noqa: E402
 from hf_paged_attn_tools.testing import load_pair, save_random_model, tiny_llama_config  # noqa: E402
 
 # Tiny models compile for longer than they run: PagedConfig(compile=None) means eager in the suite;
-# tests of the compiled forward ask for compile=True (tests/runtime/test_compiled.py).
+# tests of the compiled forward ask for compile=True (tests/runtime/cpu/test_compiled.py).
 _paged_config.COMPILE_BY_DEFAULT = False
 
 

@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 import hf_paged_attn  # noqa: F401  registers "paged"
 from hf_paged_attn import PagedConfig
 from hf_paged_attn.demo import DEMO_MODEL
-from hf_paged_attn.runtime.compiled import wait_compiled
+from hf_paged_attn.runtime.cpu.compiled import wait_compiled
 from hf_paged_attn_tools.bench.profile import StepProfile, format_profile
 from hf_paged_attn_tools.bench.workloads import demo_prompts as make_prompts
 from hf_paged_attn_tools.testing import left_padded

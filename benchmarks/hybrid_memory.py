@@ -21,7 +21,7 @@ import torch
 
 import hf_paged_attn  # noqa: F401  (registers "paged")
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
-from hf_paged_attn.runtime import memory
+from hf_paged_attn.runtime.model import memory
 from hf_paged_attn_tools.testing import load_pair, save_random_model
 from hf_paged_attn_tools.tiny_configs import tiny_config
 

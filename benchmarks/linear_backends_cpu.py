@@ -1,7 +1,7 @@
 """The matmul paths torch offers on this CPU, side by side: ``F.linear`` (MKL sgemm in fp32, oneDNN in
 bf16), oneDNN on a prepacked weight (``mkldnn._linear_pointwise``, what inductor's freezing emits for
-bf16, and ``runtime/packed_linear.py`` in the compiled forward), the same with q/k/v and gate/up as one
-matmul each on their weights concatenated (``runtime/linear_groups.py``: "grouped") and MKL's packed
+bf16, and ``runtime/cpu/packed_linear.py`` in the compiled forward), the same with q/k/v and gate/up as one
+matmul each on their weights concatenated (``runtime/cpu/linear_groups.py``: "grouped") and MKL's packed
 sgemm (``mkl._mkl_linear``, inductor's fp32 choice with a static batch size).
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/linear_backends_cpu.py [--threads 2] [--reps 7]

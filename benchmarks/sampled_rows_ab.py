@@ -1,4 +1,4 @@
-"""The compiled forward with and without ``runtime/sampled_rows.py`` (only the sampled rows after the last
+"""The compiled forward with and without ``runtime/cpu/sampled_rows.py`` (only the sampled rows after the last
 attention), in one process: two copies of a ``vs_vllm.py`` row's model, one compiled with the pass and one
 without (``sampled_rows.move_row_selections`` a no-op while it compiles), their engines' runs alternating so both
 see the same host. Prints each run's wall time, the medians, their ratio and whether the tokens agree.
@@ -21,7 +21,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", "3000")  # as our commands run (hf_paged
 import torch  # noqa: E402
 
 from hf_paged_attn import ContinuousBatchingEngine  # noqa: E402
-from hf_paged_attn.runtime import sampled_rows  # noqa: E402
+from hf_paged_attn.runtime.cpu import sampled_rows  # noqa: E402
 from hf_paged_attn_tools.bench import vs_vllm  # noqa: E402
 from hf_paged_attn_tools.bench.ab import report  # noqa: E402
 

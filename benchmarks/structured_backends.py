@@ -1,4 +1,4 @@
-"""xgrammar against llguidance: the measurements behind the backend of ``runtime/structured.py``.
+"""xgrammar against llguidance: the measurements behind the backend of ``runtime/generation/structured.py``.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/structured_backends.py [--big-vocab] [--rows 32] [--steps 96]
 
@@ -404,9 +404,9 @@ def gil_share(b, tok, vocab: int, rows: int, seconds: float = 1.5) -> float:
 
 
 def module_step(tok, vocab: int, rows: int, steps: int) -> dict[str, list[float]]:
-    """``runtime/structured.py`` as the engine will call it: ``mask_logits`` (fill + apply) on ``rows`` of a
+    """``runtime/generation/structured.py`` as the engine will call it: ``mask_logits`` (fill + apply) on ``rows`` of a
     ``[rows, vocab]`` float32 tensor, then one ``accept`` per row; rows restart as they finish."""
-    from hf_paged_attn.runtime.structured import GrammarCompiler, StructuredSpec
+    from hf_paged_attn.runtime.generation.structured import GrammarCompiler, StructuredSpec
 
     compiler = GrammarCompiler(tok, vocab)
     grammars = [compiler.compile(StructuredSpec(json=strict(s))) for s in SCHEMAS.values()]
@@ -501,7 +501,7 @@ def main() -> None:
         for name in cov[0]:
             print(f"  {name:32s} | {cov[0][name]:40s} | {cov[1][name]}")
     if args.engine:
-        print(f"\n## runtime/structured.py per step ({args.rows} rows) against the demo model's decode step")
+        print(f"\n## runtime/generation/structured.py per step ({args.rows} rows) against the demo model's decode step")
         tok = AutoTokenizer.from_pretrained(DEMO_MODEL)
         for label, t in module_step(tok, 4096, args.rows, args.steps).items():
             print(f"  {label:34s} {ms(t)} ({p90(t)}) ms")

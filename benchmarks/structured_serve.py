@@ -34,9 +34,9 @@ import torch
 from transformers import AutoTokenizer
 
 from hf_paged_attn.demo import DEMO_MODEL
-from hf_paged_attn.runtime.structured import GrammarCompiler, StructuredSpec, apply_bitmask
-from hf_paged_attn.serve.tool_parser import HERMES
-from hf_paged_attn.serve.tools import FunctionTool, forced_grammar
+from hf_paged_attn.runtime.generation.structured import GrammarCompiler, StructuredSpec, apply_bitmask
+from hf_paged_attn.serve.outputs.tool_parser import HERMES
+from hf_paged_attn.serve.outputs.tools import FunctionTool, forced_grammar
 from hf_paged_attn_tools.launch import ServerProcess
 
 SCHEMA = {

@@ -21,7 +21,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", "3000")  # as our commands run (hf_paged
 import torch  # noqa: E402
 
 from hf_paged_attn import ContinuousBatchingEngine  # noqa: E402
-from hf_paged_attn.runtime.threads import ThreadTuner  # noqa: E402
+from hf_paged_attn.runtime.cpu.threads import ThreadTuner  # noqa: E402
 from hf_paged_attn_tools.bench import vs_vllm  # noqa: E402
 from hf_paged_attn_tools.bench.ab import report  # noqa: E402
 

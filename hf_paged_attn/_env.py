@@ -7,7 +7,7 @@ the demo's run time swung from 0.5 s to 20 s between runs. ``OMP_WAIT_POLICY=PAS
 at once, but then waking the second thread costs ~50 us for each of a step's many short parallel
 regions, more than it saves on a small model. The commands set ``GOMP_SPINCOUNT=3000`` instead: a
 thread spins for the gaps between a step's regions and sleeps between steps. On a quiet 2-core machine,
-with the engine's thread tuner (``runtime/threads.py``), that ran three of the four vs-vLLM rows
+with the engine's thread tuner (``runtime/cpu/threads.py``), that ran three of the four vs-vLLM rows
 1.1-1.5x faster than ``PASSIVE`` (the bundled bf16 row 0.96-1.12x); when another process holds a core
 the tuner runs steps on one thread, and the two were within 7% (docs/performance.md, "Adaptive
 threads and a short spin").

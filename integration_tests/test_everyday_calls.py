@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor
 from transformers.generation.streamers import BaseStreamer
 
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
-from hf_paged_attn.runtime.compiled import wait_compiled
+from hf_paged_attn.runtime.cpu.compiled import wait_compiled
 from hf_paged_attn_tools.testing import (
     compare_greedy,
     left_padded,

@@ -1,6 +1,6 @@
 """The user's model is a guest's house: an engine closed (``shutdown``, its context manager, or the end of a
 ``generate`` call) leaves the model with the modules, ``forward``s, buffers and parameters it had, whatever
-the engine put on it meanwhile (``runtime/marks.py``): the compiled forward's layer-index buffers and region
+the engine put on it meanwhile (``runtime/model/marks.py``): the compiled forward's layer-index buffers and region
 forwards, the float32 copies of a bfloat16 model's linears. And a model whose parameters are replaced after
 generating computes with the new ones, in every later forward of its own.
 """
@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
 from hf_paged_attn.attention.function import LAYER_INDEX
-from hf_paged_attn.runtime import fp32_matmuls
+from hf_paged_attn.runtime.cpu import fp32_matmuls
 from hf_paged_attn_tools.testing import ragged_prompts, save_random_model, tiny_llama_config
 
 PROMPTS = ragged_prompts(3, 3, 20, seed=9)

@@ -7,7 +7,7 @@ written the step's K/V into the pages, the paged prefill kernel reads every key 
 table). Outside a step, e.g. a plain ``model(input_ids, labels=...)`` forward, it computes exactly
 what ``sdpa`` would.
 
-Inside a compiled step (``runtime/compiled.py``) the ``paged_forward`` kwarg is ``COMPILED`` and the
+Inside a compiled step (``runtime/cpu/compiled.py``) the ``paged_forward`` kwarg is ``COMPILED`` and the
 whole attention call, cache write included, is one opaque custom op, ``hf_paged_attn::step_attention``
 (``step_attention``), as vLLM leaves its attention to the compiler: the graph around it stays whole,
 and the op runs the eager path below on the step's real rows (``CompiledStep``), outside the graph.

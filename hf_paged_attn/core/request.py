@@ -88,7 +88,7 @@ class Request:
     logits: list[Any] | None = None
     logprobs: list[TokenLogprob] | None = None
     group: Any = None  # beam.BeamGroup of a beam-search request and of its beams (preempted together)
-    matcher: Any = None  # runtime.structured.Matcher of a constrained request (its grammar's state)
+    matcher: Any = None  # runtime.generation.structured.Matcher of a constrained request (its grammar's state)
     score: float | None = None
     beam_indices: list[int] | None = None
     # Speculative decoding (runtime/speculative): tokens proposed after the last known one, fed with

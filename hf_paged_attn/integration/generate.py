@@ -2,9 +2,9 @@
 ``GenerateDecoderOnlyOutput``) that transformers' ``generate`` returns, continuous batching inside.
 
 A call that carries the caller's ``logits_processor`` or ``stopping_criteria`` runs its rows in
-lockstep (``runtime/lockstep.py``): those run once per step on the whole ``[batch, len]`` ids, as in
+lockstep (``runtime/generation/lockstep.py``): those run once per step on the whole ``[batch, len]`` ids, as in
 ``generate``. Every other call samples each row as it comes, the built-in processors batched per
-stack of rows (``runtime/processors/``).
+stack of rows (``runtime/generation/processors/``).
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from ..core.request import RequestOutput
 from ..parallel.tensor_parallel import is_driver, on_driver
 from ..runtime.config import PagedConfig
 from ..runtime.engine import ContinuousBatchingEngine
-from ..runtime.lockstep import Lockstep
-from ..runtime.lora import generate_adapters
-from ..runtime.memory import blocks_for_batch
+from ..runtime.generation.lockstep import Lockstep
+from ..runtime.generation.sampling import RUN_ANYWAY, make_stopping_criteria
+from ..runtime.model.lora import generate_adapters
+from ..runtime.model.memory import blocks_for_batch
+from ..runtime.model.placement import input_device, layer_kinds
 from ..runtime.multimodal import DERIVED_INPUTS, IMAGE_INPUTS, MultimodalInputs, split_images
-from ..runtime.placement import input_device, layer_kinds
-from ..runtime.sampling import RUN_ANYWAY, make_stopping_criteria
 from ..runtime.speculative.config import with_draft
 from ..runtime.speculative.draft import paged_attention
 from .modes import generation_mode
@@ -160,7 +160,7 @@ def paged_generate(
             ordered = on_driver(model, run)
     finally:
         for engine in engines:
-            engine.shutdown()  # the model is left as it was found (``runtime/marks.py``)
+            engine.shutdown()  # the model is left as it was found (``runtime/model/marks.py``)
     if streamer is not None:
         if not is_driver(model):  # the other ranks' streamers get the prompt and the output at the end
             streamer.put(input_ids.cpu())

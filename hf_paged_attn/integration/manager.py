@@ -40,9 +40,9 @@ from ..core.request import RequestOutput
 from ..parallel.tensor_parallel import is_tensor_parallel, on_driver
 from ..runtime.cuda_graphs import CudaGraphExecutor
 from ..runtime.engine import ContinuousBatchingEngine
-from ..runtime.memory import blocks_for_batch
-from ..runtime.placement import layer_kinds
-from ..runtime.sampling import resolve_max_new_tokens
+from ..runtime.generation.sampling import resolve_max_new_tokens
+from ..runtime.model.memory import blocks_for_batch
+from ..runtime.model.placement import layer_kinds
 from .cb_config import paged_config_from
 from .cb_outputs import Ledger
 from .modes import generation_mode, weights_version

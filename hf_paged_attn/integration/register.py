@@ -22,8 +22,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .. import transformers_private as hf
 from ..attention.function import PagedWindow, paged_attention_forward
 from ..parallel import claim as tensor_parallel_launcher
+from ..runtime.cpu.patches import COMPILE_PATCHES
 from ..runtime.executor import LAUNCHERS
-from ..runtime.patches import COMPILE_PATCHES
 
 NAME = "paged"  # never "paged|...": transformers reserves that prefix for its own engine
 
@@ -99,7 +99,7 @@ def _fx_trace_lock() -> Callable[[], None]:
     (``compiled.locked_trace``: the tracer patches ``torch.nn.Module`` for the whole process while it runs)."""
     import torch
 
-    from ..runtime.compiled import locked_trace
+    from ..runtime.cpu.compiled import locked_trace
 
     tracer = torch.fx.Tracer
     original = tracer.__dict__["trace"]
@@ -115,7 +115,7 @@ def _fx_trace_lock() -> Callable[[], None]:
 
 def _recompile_limit() -> Callable[[], None]:
     """Dynamo's graphs per code object at least ``compiled.RECOMPILE_LIMIT``: every model compiles one function."""
-    from ..runtime.compiled import RECOMPILE_LIMIT
+    from ..runtime.cpu.compiled import RECOMPILE_LIMIT
     from ..torch_private import raise_recompile_limit
 
     return raise_recompile_limit(RECOMPILE_LIMIT)
@@ -123,7 +123,7 @@ def _recompile_limit() -> Callable[[], None]:
 
 def _wait_at_exit() -> Callable[[], None]:
     """At exit, wait for a background compile to end (``compiled.wait_for_compiles_at_exit``)."""
-    from ..runtime.compiled import wait_for_compiles_at_exit
+    from ..runtime.cpu.compiled import wait_for_compiles_at_exit
 
     atexit.register(wait_for_compiles_at_exit)
     return functools.partial(atexit.unregister, wait_for_compiles_at_exit)
@@ -155,6 +155,6 @@ def undo_patch(name: str) -> bool:
 
 
 def install_compile_patches() -> None:
-    """Every patch a compiled forward needs (``runtime.patches.COMPILE_PATCHES`` calls it before a compile)."""
+    """Every patch a compiled forward needs (``runtime.cpu.patches.COMPILE_PATCHES`` calls it before a compile)."""
     for name in PATCHES:
         patch(name)

@@ -33,11 +33,11 @@ from ..core.layers import LayerKinds
 from ..kernels import load_backend
 from ..kernels.base import AttentionBackend
 from ..kernels.kv_dtype import KV_CACHE_DTYPES
-from ..runtime import memory
 from ..runtime.config import PagedConfig
 from ..runtime.executor import CacheSize, LocalExecutor
-from ..runtime.kv_scales import kv_scales_for
-from ..runtime.placement import input_device
+from ..runtime.model import memory
+from ..runtime.model.kv_scales import kv_scales_for
+from ..runtime.model.placement import input_device
 
 T = TypeVar("T")
 # Workers wait on the control group between requests: as long as a server may idle, not gloo's 30 min.

@@ -12,8 +12,8 @@ import torch
 from ..core.policy import POLICIES
 from ..kernels import BACKENDS, KERNELS, resolve_kernel
 from ..kernels.kv_dtype import KV_CACHE_DTYPES
-from . import fp32_matmuls
-from .placement import kernel_device
+from .cpu import fp32_matmuls
+from .model.placement import kernel_device
 from .speculative.config import SpeculativeConfig
 
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")

@@ -25,22 +25,22 @@ from ..core.request import Request, RequestOutput, validate_prompt
 from ..core.scheduler import Scheduler, SchedulerOutput
 from ..kernels import load_backend
 from ..kernels.kv_dtype import KV_CACHE_DTYPES, page_dtype
-from . import lora
 from .batch_api import BatchAPI
-from .beam import BeamGroup
 from .config import COMPILE_AT_STARTUP, LOGPROBS_MODES, PagedConfig
 from .executor import Launcher, choose_launcher
-from .kv_scales import kv_scales_for
-from .lockstep import Lockstep
-from .marks import marks_for
+from .generation.beam import BeamGroup
+from .generation.lockstep import Lockstep
+from .generation.sampling import make_sampling_params, resolve_max_new_tokens
+from .model import lora
+from .model.kv_scales import kv_scales_for
+from .model.marks import marks_for
+from .model.placement import input_device, layer_kinds
+from .model.sleep import TAGS, SleepState, allocate_pages, free_pages, pool_bytes, sleep_weights, wake_weights
+from .model.weight_loading import load_directory, load_named_tensors
 from .multimodal import MultimodalInputs, MultimodalSteps, split_images
-from .placement import input_device, layer_kinds
-from .sampling import make_sampling_params, resolve_max_new_tokens
-from .sleep import TAGS, SleepState, allocate_pages, free_pages, pool_bytes, sleep_weights, wake_weights
 from .speculative.speculator import build_speculator
 from .stats import EngineStats, StepCounters
 from .update import Updater
-from .weight_loading import load_directory, load_named_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ class ContinuousBatchingEngine(BatchAPI):
         each new token's log-probability and its ``k`` best alternatives. ``seed``: the request's own
         sampling generator. ``tokenizer``: for ``stop_strings``. ``padding``: the prompt's left padding
         in ``model.generate``'s batch, which its processors see. Beam search: ``num_beams`` > 1.
-        ``structured``: a ``runtime.structured.StructuredSpec`` (or a dict of its fields:
+        ``structured``: a ``runtime.generation.structured.StructuredSpec`` (or a dict of its fields:
         ``{"json": schema}``, ``{"json_object": True}``, ``{"regex": ...}``, ``{"choice": [...]}``,
         ``{"grammar": ...}``) the output must match; needs ``tokenizer`` and the ``[structured]`` extra.
         ``lockstep``: the ``model.generate`` batch whose caller's processors and criteria the
@@ -255,7 +255,7 @@ class ContinuousBatchingEngine(BatchAPI):
             raise NotImplementedError("structured outputs with beam search (num_beams > 1) are not supported")
         if tokenizer is None:
             raise ValueError("structured outputs need the tokenizer: pass tokenizer= (as for stop_strings)")
-        from .structured import Grammars, as_spec  # llguidance: the optional [structured] extra
+        from .generation.structured import Grammars, as_spec  # llguidance: the optional [structured] extra
 
         if self.grammars is None:
             head = self.model.get_output_embeddings()

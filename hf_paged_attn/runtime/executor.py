@@ -29,11 +29,11 @@ from ..attention.forward import ForwardContext
 from ..attention.step import StepMetadata
 from ..core.layers import LayerKinds
 from ..kernels.base import AttentionBackend
-from . import fp32_matmuls
 from .config import PagedConfig
-from .marks import marks_for
-from .memory import fitting_blocks
-from .placement import layer_devices
+from .cpu import fp32_matmuls
+from .model.marks import marks_for
+from .model.memory import fitting_blocks
+from .model.placement import layer_devices
 
 
 class Executor(Protocol):
@@ -135,7 +135,7 @@ class LocalLauncher:
         eager = LocalExecutor(model, cache, backend)
         counts = self._thread_counts(model, config)
         if self._compiled(model, config):
-            from .compiled import CompiledExecutor
+            from .cpu.compiled import CompiledExecutor
 
             return self._threads(CompiledExecutor(eager, layers, counts), counts, model)  # eager until compiled
         if not self._graphs(model, config):
@@ -154,7 +154,7 @@ class LocalLauncher:
         """The thread counts steps run with (the tuner's candidates, and the compiled graphs'): 1 and
         torch's where they adapt (``threads.py``: on in the config, every layer on the CPU, more than
         one thread), else torch's alone."""
-        from .threads import candidates
+        from .cpu.threads import candidates
 
         adapt = config.adaptive_threads and cls._on_cpu(model)
         return candidates(torch.get_num_threads()) if adapt else (torch.get_num_threads(),)
@@ -165,7 +165,7 @@ class LocalLauncher:
         model's tuner (its measurements kept for its later engines)."""
         if len(counts) < 2:
             return executor
-        from .threads import ThreadTunedExecutor, tuner_for
+        from .cpu.threads import ThreadTunedExecutor, tuner_for
 
         return ThreadTunedExecutor(executor, counts, tuners=functools.partial(tuner_for, model))
 

@@ -26,7 +26,7 @@ import torch
 
 from ..attention.step import StepMetadata
 from ..core.scheduler import ScheduledRequest
-from .placement import input_device
+from .model.placement import input_device
 
 # The processor outputs that describe images, each with one entry (or, ``pixel_values`` of a grid model,
 # one run of patches) per image, in prompt order.

@@ -24,10 +24,10 @@ from ..core.intake import Intake
 from ..core.kv_manager import KVBlockManager
 from ..core.request import Request, RequestOutput
 from ..core.scheduler import Scheduler, SchedulerOutput
-from .beam import BeamGroup
-from .lockstep import Lockstep
-from .processors import TokenHistory
-from .sampling import Sample, prompt_token_logprobs, sample_one, sample_rows, should_stop
+from .generation.beam import BeamGroup
+from .generation.lockstep import Lockstep
+from .generation.processors import TokenHistory
+from .generation.sampling import Sample, prompt_token_logprobs, sample_one, sample_rows, should_stop
 from .speculative.verify import verify_step
 from .stats import StepCounters
 
@@ -71,7 +71,7 @@ class Updater:
         rows = [row for row, r in enumerate(sampled) if r.group is None and r.sampling.lockstep is None]
         constrained = [row for row in rows if sampled[row].matcher is not None]
         if constrained:  # grammar masks first: processors, sampling and forks see only allowed tokens
-            from .structured import mask_rows
+            from .generation.structured import mask_rows
 
             mask_rows(logits, [sampled[row].matcher for row in constrained], constrained)
         mine = logits if len(rows) == len(sampled) else logits[rows]  # no groups: no [rows, vocab] copy

@@ -18,7 +18,7 @@ def __getattr__(name: str) -> Any:  # the heavy imports (fastapi, uvicorn) wait 
 
         return build_app
     if name == "ServeSettings":
-        from .handlers import ServeSettings
+        from .openai.handlers import ServeSettings
 
         return ServeSettings
     if name == "main":

@@ -34,7 +34,7 @@ from typing import Any
 from .control import _Body
 from .engine_loop import EngineLoop
 from .errors import APIError, short
-from .fields import text
+from .openai.fields import text
 
 logger = logging.getLogger("hf_paged_attn.serve")
 HOLD_TIMEOUT_S = 600.0  # for a step in flight to end before an adapter loads

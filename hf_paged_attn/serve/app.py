@@ -24,14 +24,14 @@ from starlette.exceptions import HTTPException
 
 from .. import __version__
 from .adapters import LoadAdapter, ServedAdapters, UnloadAdapter
-from .body import parse_json
 from .control import Control, UpdateFromDisk, UpdateWeights, server_info, world_size
 from .engine_loop import EngineLoop
 from .errors import APIError, error_response
-from .handlers import Handlers, ServeSettings
 from .metrics import CONTENT_TYPE, ServeMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest, parse
-from .tokenization import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
+from .openai.body import parse_json
+from .openai.handlers import Handlers, ServeSettings
+from .openai.protocol import ChatCompletionRequest, CompletionRequest, parse
+from .openai.tokenization import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 
 logger = logging.getLogger("hf_paged_attn.serve")
 STOP_TIMEOUT_S = 10.0  # for the engine thread to carry out the last aborts at shutdown

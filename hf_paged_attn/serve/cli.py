@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from .. import PagedConfig, SpeculativeConfig
-from .images import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES
 from .limits import CHARS_PER_TOKEN, DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DRAIN_GRACE_S, MAX_HEADER_BYTES
+from .openai.images import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES
 
 logger = logging.getLogger("hf_paged_attn.serve")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ..parallel import leave as leave_tensor_parallel
     from .app import build_app
-    from .handlers import ServeSettings
+    from .openai.handlers import ServeSettings
 
     try:
         paged_config(args)

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict
 
 from .engine_loop import EngineLoop
 from .errors import APIError
-from .fields import text
+from .openai.fields import text
 
 PAUSE_MODES = ("keep", "wait", "abort")
 HOLD_TIMEOUT_S = 600.0  # for a step in flight to end (a long prefill on a slow machine)

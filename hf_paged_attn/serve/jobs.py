@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .engine_loop import EngineLoop
-from .protocol import APIError
-from .text import IncrementalText, make_decoder
+from .openai.protocol import APIError
+from .openai.text import IncrementalText, make_decoder
 
 # The engine's finish reasons in OpenAI's words: "stop" for EOS, stop strings and a complete structured
 # output, "length" for max_tokens.
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
-# How the engine's ValueError for a structured spec it cannot compile begins (runtime/structured.py:
+# How the engine's ValueError for a structured spec it cannot compile begins (runtime/generation/structured.py:
 # the spec's field, e.g. 'json: Unimplemented keys: ["uniqueItems"]').
 STRUCTURED_ERRORS = ("json", "regex", "choice", "grammar", "StructuredSpec", "structured")
 # What a log-probability of -inf (a token the sampling settings exclude, e.g. outside top_p) is shown

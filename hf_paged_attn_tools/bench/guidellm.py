@@ -51,7 +51,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from hf_paged_attn.runtime.compiled import COMPILE_AFTER_STEPS
+from hf_paged_attn.runtime.cpu.compiled import COMPILE_AFTER_STEPS
 from hf_paged_attn_tools.bench.report import default_out_dir
 from hf_paged_attn_tools.bench.serve import free_port, model_dir
 from hf_paged_attn_tools.launch import ServerProcess

@@ -19,7 +19,7 @@ import hf_paged_attn  # noqa: F401  registers "paged"
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
 from hf_paged_attn.attention import cache
 from hf_paged_attn.parallel.tensor_parallel import rank_blocks, run_worker
-from hf_paged_attn.runtime import memory
+from hf_paged_attn.runtime.model import memory
 from hf_paged_attn_tools.testing import left_padded
 
 NEW_TOKENS = 8

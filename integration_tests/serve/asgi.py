@@ -9,7 +9,7 @@ from typing import Any
 import httpx2
 
 from hf_paged_attn.serve.app import build_app
-from hf_paged_attn.serve.handlers import ServeSettings
+from hf_paged_attn.serve.openai.handlers import ServeSettings
 
 
 def run_in_app(

@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
 from hf_paged_attn.demo import DEMO_MODEL
 from hf_paged_attn.serve.app import build_app
-from hf_paged_attn.serve.handlers import ServeSettings
+from hf_paged_attn.serve.openai.handlers import ServeSettings
 
 NAME = "demo"
 TIMEOUT = 30.0  # seconds, for any one test's requests together

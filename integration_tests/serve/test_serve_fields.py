@@ -514,7 +514,7 @@ def test_generated_logprobs_are_sdpas_log_softmax(client, demo_server, reference
     """The generated tokens' ``logprobs`` (completions: ``logprobs: 5``; chat: ``logprobs``,
     ``top_logprobs: 5``), greedy, against log_softmax of sdpa's logits on the same weights: each
     token's own value and its five best alternatives, in order, within fp32 arithmetic."""
-    from hf_paged_attn.serve.text import make_decoder
+    from hf_paged_attn.serve.openai.text import make_decoder
 
     tokenizer, _, model = reference
     decode = make_decoder(tokenizer)  # how the server shows a token

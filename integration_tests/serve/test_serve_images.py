@@ -13,7 +13,7 @@ from PIL import Image
 
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
 from hf_paged_attn.serve.app import build_app
-from hf_paged_attn.serve.handlers import ServeSettings
+from hf_paged_attn.serve.openai.handlers import ServeSettings
 from hf_paged_attn_tools.tiny_vlms import random_image, tiny_llava
 
 NAME = "tiny-llava"

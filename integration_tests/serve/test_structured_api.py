@@ -273,7 +273,7 @@ def test_auto_passes_text_without_calls_through(client):
 def test_a_tool_round_trip(client):
     from transformers import AutoTokenizer
 
-    from hf_paged_attn.serve.chat import chat_prompt_ids
+    from hf_paged_attn.serve.openai.chat import chat_prompt_ids
 
     first = client.chat.completions.create(model=NAME, messages=ASK, tools=TOOLS, max_tokens=200,
                                            tool_choice={"type": "function", "function": {"name": "get_weather"}})

@@ -10,8 +10,8 @@ import torch
 import torch._dynamo
 
 from hf_paged_attn.integration import register
-from hf_paged_attn.runtime import compiled
-from hf_paged_attn.runtime.patches import COMPILE_PATCHES, install_compile_patches
+from hf_paged_attn.runtime.cpu import compiled
+from hf_paged_attn.runtime.cpu.patches import COMPILE_PATCHES, install_compile_patches
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import torch
 
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
 from hf_paged_attn.core.blocks import blocks_for
-from hf_paged_attn.runtime import memory
+from hf_paged_attn.runtime.model import memory
 from hf_paged_attn_tools.testing import compare_greedy, load_pair, save_random_model
 from hf_paged_attn_tools.tiny_configs import tiny_config
 

@@ -8,8 +8,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from hf_paged_attn.demo import DEMO_MODEL
-from hf_paged_attn.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse
-from hf_paged_attn.serve.text import IncrementalText, make_decoder
+from hf_paged_attn.serve.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse
+from hf_paged_attn.serve.openai.text import IncrementalText, make_decoder
 from hf_paged_attn_tools.bench import serve as bench_serve
 
 
@@ -123,7 +123,7 @@ def _handlers():
 
     from transformers import GenerationConfig
 
-    from hf_paged_attn.serve.handlers import Handlers, ServeSettings
+    from hf_paged_attn.serve.openai.handlers import Handlers, ServeSettings
 
     def add_request(input_ids, max_new_tokens=None, generation_config=None, logprobs=None, seed=None, tokenizer=None):
         raise AssertionError("not called")
@@ -163,10 +163,10 @@ def test_a_request_with_the_default_sampling_uses_the_engines_config_as_it_is():
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from hf_paged_attn.serve.body import parse_json  # noqa: E402
-from hf_paged_attn.serve.chat import chat_prompt_ids, render  # noqa: E402
 from hf_paged_attn.serve.errors import short  # noqa: E402
-from hf_paged_attn.serve.stops import StopMatcher  # noqa: E402
+from hf_paged_attn.serve.openai.body import parse_json  # noqa: E402
+from hf_paged_attn.serve.openai.chat import chat_prompt_ids, render  # noqa: E402
+from hf_paged_attn.serve.openai.stops import StopMatcher  # noqa: E402
 
 
 def first_stop(text: str, stops: list[str]) -> int | None:

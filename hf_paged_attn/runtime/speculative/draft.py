@@ -35,11 +35,11 @@ from ...core.layers import LayerKinds
 from ...core.request import Request
 from ...core.scheduler import ScheduledRequest
 from ...kernels.base import AttentionBackend
-from .. import fp32_matmuls
+from ..cpu import fp32_matmuls
 from ..executor import LocalExecutor
-from ..marks import marks_for
-from ..placement import input_device
-from ..sampling import draw
+from ..generation.sampling import draw
+from ..model.marks import marks_for
+from ..model.placement import input_device
 
 
 @dataclass(slots=True)

@@ -29,7 +29,7 @@ import torch
 
 from ...core.request import Request, RequestOutput
 from ...core.scheduler import ScheduledRequest, SchedulerOutput
-from ..sampling import draw, should_stop, token_logprob
+from ..generation.sampling import draw, should_stop, token_logprob
 
 if TYPE_CHECKING:
     from ..update import Updater

@@ -86,7 +86,7 @@ def mixed_parity(ctx: Context, mode: str, gpu: str) -> str:
     """Greedy parity of the paged engine against sdpa under the same half-GPU, half-CPU map; returns
     the detail line, raises ``Fail`` on a mismatch."""
     from hf_paged_attn import ContinuousBatchingEngine
-    from hf_paged_attn.runtime.placement import input_device, layer_devices
+    from hf_paged_attn.runtime.model.placement import input_device, layer_devices
     from hf_paged_attn_tools.testing import compare_greedy
 
     directory = ctx.tiny_llama()
@@ -143,8 +143,8 @@ USES = (
     "hf_paged_attn:ContinuousBatchingEngine.allocator",
     "hf_paged_attn:ContinuousBatchingEngine.config",
     "hf_paged_attn.core.blocks:BlockAllocator.num_blocks",
-    "hf_paged_attn.runtime.placement:layer_devices(model)",
-    "hf_paged_attn.runtime.placement:input_device(model)",
+    "hf_paged_attn.runtime.model.placement:layer_devices(model)",
+    "hf_paged_attn.runtime.model.placement:input_device(model)",
 )
 CHECKS = [
     Check(f"mixed/{mode}", functools.partial(run, mode=mode), 90, cpu=True, uses=USES) for mode in ("offload", "split")

@@ -1,0 +1,1 @@
+"""What turns logits into tokens: sampling, transformers' processors, beams, lockstep rows, grammars."""

@@ -1,0 +1,89 @@
+"""engine.sleep / wake_up on the CPU: the KV pool's memory goes back to the OS (the process's RSS drops by
+most of the pool's size), requests are refused while asleep, and greedy after waking equals greedy before,
+at both levels and whatever order the tags wake in; level 2 removes and restores the engine's fp32 copies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
+from hf_paged_attn.demo import DEMO_MODEL
+from hf_paged_attn.runtime.cpu import fp32_matmuls
+
+PROMPT = list(range(3, 3 + 40))
+# The demo model's pages: 4 layers x (K, V) x [blocks, 16, 2 heads, 64] float32 = 64 KiB a block; 5120 blocks are
+# 320 MiB, each page tensor 40 MiB: above glibc's largest mmap threshold (32 MiB), so freeing one unmaps it.
+BIG_POOL = 5120
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024
+
+
+def greedy(engine: ContinuousBatchingEngine, ids: list[int], n: int = 8) -> list[int]:
+    return engine.generate([ids], max_new_tokens=n)[0].output_ids
+
+
+def make_engine(num_blocks: int, dtype: torch.dtype = torch.float32, **fields) -> ContinuousBatchingEngine:
+    model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, attn_implementation="paged", dtype=dtype).eval()
+    config = PagedConfig(num_blocks=num_blocks, block_size=16, compile=False, enable_prefix_caching=True, **fields)
+    return ContinuousBatchingEngine(model, config)
+
+
+def test_sleep_returns_the_kv_pool_to_the_os_and_wake_gives_the_same_greedy():
+    with make_engine(BIG_POOL) as engine:
+        before = greedy(engine, PROMPT)  # the first forward allocates (and zeroes) the pages
+        pool = sum(layer.keys.nbytes + layer.values.nbytes for layer in engine.cache.layers)
+        assert pool >= 300 * 2**20
+        rss = rss_bytes()
+        freed = engine.sleep(level=1)
+        dropped = rss - rss_bytes()
+        assert freed == pool
+        assert dropped >= 0.6 * pool, f"RSS dropped {dropped / 2**20:.0f} MiB of a {pool / 2**20:.0f} MiB pool"
+        assert engine.is_sleeping
+        assert not any(layer.is_initialized for layer in engine.cache.layers)
+        with pytest.raises(RuntimeError, match="asleep"):
+            engine.add_request(PROMPT, max_new_tokens=2)
+        assert engine.sleep(level=2) == 0  # asleep already: nothing changes
+        engine.wake_up()
+        assert not engine.is_sleeping
+        assert all(layer.is_initialized for layer in engine.cache.layers)
+        assert greedy(engine, PROMPT) == before
+        assert greedy(engine, PROMPT) == before  # and from the prefix cache it fills again
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_tags_wake_in_either_order_and_level_2_restores_the_fp32_copies(level):
+    with make_engine(64, dtype=torch.bfloat16, fp32_matmuls=True) as engine:
+        before = greedy(engine, PROMPT)
+        assert fp32_matmuls.installed(engine.model)
+        engine.sleep(level=level)
+        assert bool(fp32_matmuls.installed(engine.model)) == (level == 1)  # level 2 frees the engine's copies
+        engine.wake_up(tags=["weights"])
+        assert fp32_matmuls.installed(engine.model)
+        assert engine.is_sleeping  # the KV pool is still asleep
+        engine.wake_up(tags=["kv_cache"])
+        assert not engine.is_sleeping
+        assert greedy(engine, PROMPT) == before
+
+
+def test_sleep_refuses_unfinished_requests_and_bad_arguments():
+    with make_engine(64) as engine:
+        engine.add_request(PROMPT, max_new_tokens=2)
+        with pytest.raises(RuntimeError, match="unfinished"):
+            engine.sleep()
+        list(engine.stream())
+        with pytest.raises(ValueError, match="level"):
+            engine.sleep(level=3)
+        engine.sleep()
+        with pytest.raises(ValueError, match="tag"):
+            engine.wake_up(tags=["kv"])
+        assert engine.is_sleeping
+        engine.wake_up(tags=[])  # nothing asked: still asleep
+        assert engine.is_sleeping
+        engine.wake_up()
+        assert not engine.is_sleeping
