@@ -64,16 +64,18 @@ def _type_checking_block(node: ast.AST) -> bool:
     )
 
 
-def imports_of(path: Path, modules: set[str] | frozenset[str] = frozenset()) -> set[str]:
+def imports_of(
+    path: Path, modules: set[str] | frozenset[str] = frozenset(), *, type_checking: bool = False
+) -> set[str]:
     """Every module ``path`` imports, at any depth (functions included), resolved to absolute names;
     ``from X import name`` yields ``X.name`` (name may be a module) and ``X`` unless a name is one
-    of ``modules``."""
+    of ``modules``. ``type_checking``: count the imports under ``if TYPE_CHECKING:`` too."""
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if _type_checking_block(node):
+        if _type_checking_block(node) and not type_checking:
             for child in node.orelse:
                 visit(child)
             return
@@ -100,11 +102,11 @@ def package_modules() -> dict[str, Path]:
     return {module_name(p): p for root in (PACKAGE, ROOT / "hf_paged_attn_tools") for p in root.rglob("*.py")}
 
 
-def internal_graph() -> dict[str, set[str]]:
+def internal_graph(*, type_checking: bool = False) -> dict[str, set[str]]:
     modules = package_modules()
     graph = {}
     for name, path in modules.items():
-        deps = {m for m in imports_of(path, set(modules)) if m in modules and m != name}
+        deps = {m for m in imports_of(path, set(modules), type_checking=type_checking) if m in modules and m != name}
         # a package's __init__ importing its own submodules is not a dependency worth naming
         graph[name] = {m for m in deps if not m.startswith(name + ".")}
     return graph
@@ -132,6 +134,19 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_no_import_cycle_between_modules():
     cycle = find_cycle(internal_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+MAX_MODULES_PER_FOLDER = 14
+
+
+def test_every_folder_holds_at_most_14_modules():
+    """A folder of more modules than a reader holds in mind hides its parts: split it by concern."""
+    bad = []
+    for folder in [PACKAGE, *(p for p in PACKAGE.rglob("*") if p.is_dir() and (p / "__init__.py").exists())]:
+        modules = [p for p in folder.glob("*.py") if p.name not in ("__init__.py", "__main__.py")]
+        if len(modules) > MAX_MODULES_PER_FOLDER:
+            bad.append(f"{folder.relative_to(ROOT)}: {len(modules)} modules")
+    assert not bad, "\n".join(bad)
 
 
 def test_no_import_cycle_between_layers():

@@ -15,15 +15,12 @@ The executor makes a ``ForwardContext`` for every model call and opens it on the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
+from transformers.cache_utils import CacheLayerMixin
 
 from ..kernels.base import AttentionBackend
 from .step import StepMetadata
-
-if TYPE_CHECKING:
-    from .cache import PagedLayer
 
 
 @dataclass(slots=True)
@@ -47,7 +44,9 @@ class ForwardContext:
     def __init__(self, step: StepMetadata, backend: AttentionBackend) -> None:
         self.step = step
         self.backend = backend
-        self.last_layer: PagedLayer | None = None
+        # the cache layer ``PagedAttentionCache.update`` wrote last (a ``cache.PagedLayer``; typed by its
+        # transformers base so that this module, which the cache imports, need not import the cache)
+        self.last_layer: CacheLayerMixin | None = None
         self._inputs: dict[tuple[int, torch.device], LayerInputs] = {}
         self._shared: dict[torch.device, tuple[torch.Tensor, ...]] = {}  # the step-wide tensors per device
 

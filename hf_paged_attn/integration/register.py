@@ -23,7 +23,7 @@ from .. import transformers_private as hf
 from ..attention.function import PagedWindow, paged_attention_forward
 from ..parallel import claim as tensor_parallel_launcher
 from ..runtime.cpu.patches import COMPILE_PATCHES
-from ..runtime.executor import LAUNCHERS
+from ..runtime.launcher import LAUNCHERS
 
 NAME = "paged"  # never "paged|...": transformers reserves that prefix for its own engine
 

@@ -34,7 +34,8 @@ from ..kernels import load_backend
 from ..kernels.base import AttentionBackend
 from ..kernels.kv_dtype import KV_CACHE_DTYPES
 from ..runtime.config import PagedConfig
-from ..runtime.executor import CacheSize, LocalExecutor
+from ..runtime.executor import LocalExecutor
+from ..runtime.launcher import CacheSize
 from ..runtime.model import memory
 from ..runtime.model.kv_scales import kv_scales_for
 from ..runtime.model.placement import input_device
@@ -268,7 +269,7 @@ class TensorParallelExecutor:
 
 
 def claim(model: torch.nn.Module) -> TensorParallelLauncher | None:
-    """``executor.LAUNCHERS``' entry: the tensor-parallel launcher for a model sharded over ranks."""
+    """``launcher.LAUNCHERS``' entry: the tensor-parallel launcher for a model sharded over ranks."""
     return TensorParallelLauncher(model) if is_tensor_parallel(model) else None
 
 

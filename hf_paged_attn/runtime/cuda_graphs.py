@@ -8,7 +8,7 @@ the most blocks a request can hold), slot mapping and key offsets. Each step cop
 into the first rows of those buffers and replays the bucket's graph; the logits of its real rows
 come back. Everything else runs eagerly as before: steps with prefill, beam search, more requests
 than the largest bucket and tables wider than the buffers (the executor is only chosen for a model on
-one CUDA device whose weights accelerate does not offload: ``executor.LocalLauncher``).
+one CUDA device whose weights accelerate does not offload: ``launcher.LocalLauncher``).
 
 A graph bakes in every Python-side value of the capture, so only backends whose decode kernel reads
 lengths and tables from device tensors and whose launch parameters follow from shapes can be

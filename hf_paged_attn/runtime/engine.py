@@ -27,10 +27,10 @@ from ..kernels import load_backend
 from ..kernels.kv_dtype import KV_CACHE_DTYPES, page_dtype
 from .batch_api import BatchAPI
 from .config import COMPILE_AT_STARTUP, LOGPROBS_MODES, PagedConfig
-from .executor import Launcher, choose_launcher
 from .generation.beam import BeamGroup
 from .generation.lockstep import Lockstep
 from .generation.sampling import make_sampling_params, resolve_max_new_tokens
+from .launcher import Launcher, choose_launcher
 from .model import lora
 from .model.kv_scales import kv_scales_for
 from .model.marks import marks_for

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedConfig, Qwen2Config
 
     from hf_paged_attn.runtime.cuda_graphs import CudaGraphExecutor
-    from hf_paged_attn.runtime.executor import LocalLauncher
+    from hf_paged_attn.runtime.launcher import LocalLauncher
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # max abs error vs the float64 reference
@@ -315,7 +315,7 @@ def graph_launcher(device: torch.device) -> LocalLauncher | None:
     ``CudaGraphExecutor`` over ``stand_in_capture``."""
     if device.type == "cuda":
         return None
-    from hf_paged_attn.runtime.executor import LocalLauncher
+    from hf_paged_attn.runtime.launcher import LocalLauncher
 
     class StandInGraphLauncher(LocalLauncher):
         @staticmethod

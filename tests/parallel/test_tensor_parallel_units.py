@@ -12,7 +12,7 @@ from hf_paged_attn.core.layers import LayerKinds
 from hf_paged_attn.core.request import Request
 from hf_paged_attn.core.scheduler import ScheduledRequest
 from hf_paged_attn.parallel.tensor_parallel import claim, is_driver, is_tensor_parallel, kv_heads, moved, on_driver
-from hf_paged_attn.runtime.executor import LocalLauncher, choose_launcher
+from hf_paged_attn.runtime.launcher import LocalLauncher, choose_launcher
 
 CPU = torch.device("cpu")
 

@@ -28,9 +28,10 @@ from hf_paged_attn.attention.step import build_step  # noqa: E402
 from hf_paged_attn.kernels import BACKENDS, cpu_native  # noqa: E402
 from hf_paged_attn.kernels.torch_backend import TorchBackend  # noqa: E402
 from hf_paged_attn.kernels.triton_backend import TritonBackend  # noqa: E402
-from hf_paged_attn.runtime import executor as executor_module  # noqa: E402
+from hf_paged_attn.runtime import launcher as launcher_module  # noqa: E402
 from hf_paged_attn.runtime.cuda_graphs import CudaGraphExecutor, decode_buckets, max_blocks_per_seq  # noqa: E402
-from hf_paged_attn.runtime.executor import LocalExecutor, LocalLauncher  # noqa: E402
+from hf_paged_attn.runtime.executor import LocalExecutor
+from hf_paged_attn.runtime.launcher import LocalLauncher  # noqa: E402
 from hf_paged_attn_tools.testing import (  # noqa: E402
     FrozenGraphs,
     LaunchedDecode,
@@ -194,7 +195,7 @@ def test_which_models_get_graphs(llama, monkeypatch):
     _, paged = llama
     config = PagedConfig(kernel="triton", block_size=16, cuda_graphs=True)
     launcher = LocalLauncher()
-    monkeypatch.setattr(executor_module, "layer_devices", lambda model: [CUDA, CUDA])
+    monkeypatch.setattr(launcher_module, "layer_devices", lambda model: [CUDA, CUDA])
     assert launcher._graphs(paged, config) and not launcher._graphs(paged, config.replace(cuda_graphs=False))
     size = launcher.cache_size(paged, config, engine_layers(paged), 100)
     assert (size.num_blocks, size.num_pages) == (100, 101)  # the scratch page
@@ -206,9 +207,9 @@ def test_which_models_get_graphs(llama, monkeypatch):
         assert not launcher._graphs(paged, config)
         m.setattr(paged, "hf_device_map", {"": 0}, raising=False)
         assert launcher._graphs(paged, config)
-    monkeypatch.setattr(executor_module, "layer_devices", lambda model: [CUDA, torch.device("cuda:1")])
+    monkeypatch.setattr(launcher_module, "layer_devices", lambda model: [CUDA, torch.device("cuda:1")])
     assert not launcher._graphs(paged, config)  # layers on two devices
-    monkeypatch.setattr(executor_module, "layer_devices", lambda model: [CPU])
+    monkeypatch.setattr(launcher_module, "layer_devices", lambda model: [CPU])
     assert not launcher._graphs(paged, config)
 
 

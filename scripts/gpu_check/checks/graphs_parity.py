@@ -90,8 +90,8 @@ USES = (
     "hf_paged_attn.runtime.cuda_graphs:CudaGraphExecutor.num_replays",
     "hf_paged_attn.runtime.cuda_graphs:CudaGraphExecutor.width",
     "hf_paged_attn.runtime.cuda_graphs:CudaGraphExecutor.graph_factory",
-    "hf_paged_attn.runtime.executor:LocalLauncher._graphs(model, config)",
-    "hf_paged_attn.runtime.executor:LocalLauncher.executor(model, cache, backend, config, layers, size)",
+    "hf_paged_attn.runtime.launcher:LocalLauncher._graphs(model, config)",
+    "hf_paged_attn.runtime.launcher:LocalLauncher.executor(model, cache, backend, config, layers, size)",
     "hf_paged_attn:RequestOutput.output_ids",
     "hf_paged_attn:RequestOutput.finish_reason",
 )

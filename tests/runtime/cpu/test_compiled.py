@@ -21,7 +21,8 @@ from hf_paged_attn.attention.function import LAYER_INDEX
 from hf_paged_attn.integration.register import patch
 from hf_paged_attn.runtime.cpu import compiled as compiled_module
 from hf_paged_attn.runtime.cpu.compiled import CompiledExecutor
-from hf_paged_attn.runtime.executor import LocalExecutor, LocalLauncher
+from hf_paged_attn.runtime.executor import LocalExecutor
+from hf_paged_attn.runtime.launcher import LocalLauncher
 from hf_paged_attn_tools.testing import (
     compare_greedy,
     load_pair,
