@@ -39,12 +39,15 @@ class _Group:
     bias: torch.Tensor | None
     made_of: tuple[int, int]  # the members' weights' and biases' ``fingerprint`` when made
     layouts: tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype], ...]  # each weight's shape, stride, dtype
-    # The very weights concatenated and their version counters then (``_quick``), where no member has a bias.
-    sources: tuple[weakref.ReferenceType[torch.Tensor], ...] = ()
-    versions: tuple[int, ...] = ()
+    sources: tuple[weakref.ReferenceType[torch.Tensor], ...]  # the very weights concatenated
+    versions: tuple[int, ...]  # and their version counters then (``_quick``)
+    pointers: tuple[int, ...]  # and data pointers (``p.data = new`` keeps the object, moves the pointer)
+    biased: bool  # a member has a bias (``_quick`` then leaves the check to ``_holds``)
 
 
-_GROUPS: dict[tuple[int, ...], _Group] = {}  # the members' weights' data pointers -> their group copy
+# The members' weights' ids -> their group copy; every use checks the members are the very tensors
+# (``sources``), and the entry goes with the first of them freed (``_drop``).
+_GROUPS: dict[tuple[int, ...], _Group] = {}
 # id(first member's weight) -> its group: the graph passes the same weight objects at every call, and this
 # finds their group with the fewest Python steps (``_quick``; a step's caches are cold between matmuls).
 _BY_FIRST: dict[int, _Group] = {}
@@ -57,17 +60,19 @@ def _layouts(weights: list[torch.Tensor]) -> tuple[tuple[tuple[int, ...], tuple[
 
 def _holds(entry: _Group | None, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> bool:
     """Whether ``entry`` was made from exactly these members, unchanged since."""
-    if entry is None:
+    if entry is None or len(entry.sources) != len(weights):
+        return False
+    if any(ref() is not w for ref, w in zip(entry.sources, weights)):
         return False
     return entry.made_of == fingerprint([*weights, *biases]) and entry.layouts == _layouts(weights)
 
 
 def _quick(entry: _Group | None, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> bool:
     """Whether ``entry`` was made of exactly the tensors ``weights``, each at its version then, without biases."""
-    if entry is None or len(entry.sources) != len(weights):
+    if entry is None or entry.biased or len(entry.sources) != len(weights):
         return False
-    for ref, version, w, b in zip(entry.sources, entry.versions, weights, biases):
-        if ref() is not w or version_of(w) != version or b is not None:
+    for ref, version, pointer, w, b in zip(entry.sources, entry.versions, entry.pointers, weights, biases):
+        if ref() is not w or version_of(w) != version or w.data_ptr() != pointer or b is not None:
             return False
     return True
 
@@ -92,16 +97,15 @@ def _make(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> _Gr
         bias = torch.cat([b.detach() if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
     packed = reorder_linear_weight(cat, packing.PACK_ROWS)
     made_of = fingerprint([*weights, *biases])
-    if bias is not None:
-        return _Group(packed, bias, made_of, _layouts(weights))
     sources, versions = tuple(weakref.ref(w) for w in weights), tuple(version_of(w) for w in weights)
-    return _Group(packed, bias, made_of, _layouts(weights), sources, versions)
+    pointers = tuple(w.data_ptr() for w in weights)
+    return _Group(packed, bias, made_of, _layouts(weights), sources, versions, pointers, bias is not None)
 
 
 def _group_copy(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> _Group | None:
     """The members' group copy, made now if every member's single packed copy still holds (``pack`` took
     them, so they are wanted and fit); None when it can't be had (then each member runs on its own)."""
-    key = tuple(w.data_ptr() for w in weights)
+    key = tuple(map(id, weights))
     entry = _GROUPS.get(key)
     if not _holds(entry, weights, biases):
         with _MAKING, torch.inference_mode():
@@ -112,16 +116,16 @@ def _group_copy(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) 
                 entry = _GROUPS[key] = _make(weights, biases)
                 for w in weights:
                     weakref.finalize(w, _drop, key, entry)
-                    packing._PACKED.pop(w.data_ptr(), None)  # the graph multiplies by the group's copy instead
-    if entry.sources:
+                    packing._PACKED.pop(id(w), None)  # the graph multiplies by the group's copy instead
+    if not entry.biased:
         _BY_FIRST[id(weights[0])] = entry
     return entry
 
 
 def unpack(model: torch.nn.Module) -> None:
     """Drops the group copies of ``model``'s weights (the op then runs each member on its own)."""
-    ptrs = {w.data_ptr() for w in packing._weights(model)}
-    for key in [key for key in _GROUPS if ptrs.intersection(key)]:
+    ids = {id(w) for w in packing._weights(model)}
+    for key in [key for key in _GROUPS if ids.intersection(key)]:
         _forget(_GROUPS.pop(key, None))
 
 

@@ -10,8 +10,9 @@ does what vLLM does, without touching the model:
 
 - ``pack(model)`` keeps a reordered copy of each weight of a packed dtype (``DTYPES``: bf16 where oneDNN
   has it, float32 except on Intel CPUs) of the layers ``fp32_matmuls.plain_linear`` takes
-  (``torch_private.reorder_linear_weight``, for ``PACK_ROWS`` rows as vLLM's hint), keyed by
-  the weight's data pointer, with its ``weights.fingerprint``, shape and strides (``_PACKED``);
+  (``torch_private.reorder_linear_weight``, for ``PACK_ROWS`` rows as vLLM's hint), kept by the weight's
+  identity (a weak reference to the very tensor) with its ``weights.fingerprint``, shape and strides
+  (``_PACKED``); a data pointer is no key: a replaced weight's new storage may reuse a freed address;
 - ``hf_paged_attn::packed_linear(x, weight, bias)`` is an opaque op (inductor calls it as it calls
   ``aten::mm``) that multiplies by the packed copy, or runs ``F.linear`` whenever the weight is not the
   one packed (another tensor, an in-place update since, another dtype): never a stale result;
@@ -80,22 +81,25 @@ class _Packed:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
-    source: weakref.ReferenceType[torch.Tensor]  # the very tensor packed (``_lookup``'s quick check)
+    source: weakref.ReferenceType[torch.Tensor]  # the very tensor packed
 
 
-_PACKED: dict[int, _Packed] = {}  # weight.data_ptr() -> its packed copy
+# id(weight) -> its packed copy. An id outlives nothing: every use checks ``source() is weight`` (a new
+# tensor that took a freed weight's id is another tensor), and the entry goes with its weight (``_drop``).
+_PACKED: dict[int, _Packed] = {}
 
 
-def _drop(ptr: int, entry: _Packed) -> None:
-    """Forgets ``entry`` when its weight is freed (unless a newer copy took its pointer)."""
-    if _PACKED.get(ptr) is entry:
-        del _PACKED[ptr]
+def _drop(key: int, entry: _Packed) -> None:
+    """Forgets ``entry`` when its weight is freed (unless a newer copy took its key)."""
+    if _PACKED.get(key) is entry:
+        del _PACKED[key]
 
 
 def _holds(entry: _Packed | None, weight: torch.Tensor) -> bool:
     """Whether ``entry`` was packed from exactly ``weight``, unchanged since."""
     return (
         entry is not None
+        and entry.source() is weight
         and entry.made_of == fingerprint((weight,))
         and entry.shape == tuple(weight.shape)
         and entry.stride == weight.stride()  # w.t() of a square weight shares its pointer and shape
@@ -105,11 +109,12 @@ def _holds(entry: _Packed | None, weight: torch.Tensor) -> bool:
 
 def _lookup(weight: torch.Tensor) -> torch.Tensor | None:
     """``weight``'s packed copy, if it is exactly the tensor packed and unchanged since. The compiled graph
-    passes the packed tensor object itself at every call: that object at its packing's version (and data
-    pointer, the key) is checked first, with the fewest Python steps (between two matmuls the caches are
-    cold, and every step counts: ~30 us a call for ``_holds`` inside a decode step)."""
-    entry = _PACKED.get(weight.data_ptr())
-    if entry is not None and entry.source() is weight and entry.made_of[0] == version_of(weight):
+    passes the packed tensor object itself at every call: that object at its packing's version and data
+    pointer (``p.data = new`` keeps the object, moves the pointer) is checked first, with the fewest Python
+    steps (between two matmuls the caches are cold, and every step counts: ~30 us a call for ``_holds``
+    inside a decode step)."""
+    entry = _PACKED.get(id(weight))
+    if entry is not None and entry.source() is weight and entry.made_of == (version_of(weight), weight.data_ptr()):
         return entry.packed
     return entry.packed if _holds(entry, weight) else None
 
@@ -205,17 +210,16 @@ def pack(model: nn.Module) -> int:
     made = 0
     with torch.inference_mode():
         for w in weights:
-            ptr = w.data_ptr()
-            if _holds(_PACKED.get(ptr), w):
+            if _holds(_PACKED.get(id(w)), w):
                 continue
             packed = reorder_linear_weight(w.detach(), PACK_ROWS)
             made_of, ref = fingerprint((w,)), weakref.ref(w)
-            entry = _PACKED[ptr] = _Packed(packed, made_of, tuple(w.shape), w.stride(), w.dtype, ref)
-            weakref.finalize(w, _drop, ptr, entry)
+            entry = _PACKED[id(w)] = _Packed(packed, made_of, tuple(w.shape), w.stride(), w.dtype, ref)
+            weakref.finalize(w, _drop, id(w), entry)
             made += 1
     return made
 
 
 def unpack(model: nn.Module) -> int:
     """Drops the packed copies of ``model``'s weights (the op then runs ``F.linear`` on them); returns how many."""
-    return sum(_PACKED.pop(w.data_ptr(), None) is not None for w in _weights(model))
+    return sum(_PACKED.pop(id(w), None) is not None for w in _weights(model))

@@ -106,11 +106,27 @@ def test_the_quick_check_takes_only_the_very_tensor_packed_unchanged(monkeypatch
         torch.testing.assert_close(packed_linear.packed_linear(x, square.weight, None), F.linear(x, square.weight))
 
 
+
+@pytest.mark.skipif(not packed_linear.DTYPES, reason="this CPU packs no dtype")
+def test_a_parameter_given_new_data_never_uses_the_old_copy() -> None:
+    """``p.data = new`` (DeepSpeed's gathers, ``load_state_dict(assign=True)`` do it) keeps the parameter
+    object and its version counter's reading, and moves its storage: the copy of the old storage is stale."""
+    dtype = packed_linear.DTYPES[0]
+    layer = nn.Linear(64, 64).to(dtype)
+    assert packed_linear.pack(layer) == 1
+    old = layer.weight.detach().clone()
+    with torch.no_grad():
+        layer.weight.data = torch.randn_like(old)
+    x = torch.randn(3, 64, dtype=dtype)
+    with torch.inference_mode():
+        assert packed_linear._lookup(layer.weight) is None
+        torch.testing.assert_close(packed_linear.packed_linear(x, layer.weight, None), F.linear(x, layer.weight))
+
 @needs_onednn_bf16
 def test_a_freed_weight_drops_its_copy() -> None:
     layer = linear()
     packed_linear.pack(layer)
-    ptr = layer.weight.data_ptr()
+    ptr = id(layer.weight)
     assert ptr in packed_linear._PACKED
     del layer
     gc.collect()
@@ -217,6 +233,6 @@ def test_compiled_bf16_engine_runs_packed_linears_and_equals_sdpa(llama_dir, cou
     with ContinuousBatchingEngine(paged, config) as engine:
         engine.generate(prompts[:1], max_new_tokens=2)
         assert "weights changed" in engine.executor.failed
-    ptrs = {w.data_ptr() for w in packed_linear._weights(paged)}
+    ptrs = {id(w) for w in packed_linear._weights(paged)}
     assert not ptrs.intersection(packed_linear._PACKED)
     assert not any(ptrs.intersection(key) for key in linear_groups._GROUPS)
