@@ -142,6 +142,36 @@ def test_a_training_step_between_calls(pair) -> None:
         assert_same(ref, PROMPTS, rows)
 
 
+
+@pytest.mark.parametrize("how", ["optimizer_step", "replaced_data", "load_state_dict_assign"])
+def test_one_engine_follows_weights_changed_between_its_steps(pair, how) -> None:
+    """An engine kept open while its model's weights change (an RL loop's): in place by an optimizer, or each
+    parameter given new tensors (``p.data = ...`` as DeepSpeed ZeRO-3 gathers do, ``assign=True``), which no
+    version counter sees. The next request equals sdpa on the new weights, and no prefix cached on the old
+    weights is served to it."""
+    ref, paged = pair
+    config = PagedConfig(compile=False, enable_prefix_caching=True)
+    with ContinuousBatchingEngine(paged, config) as engine:
+        first = [o.output_ids for o in engine.generate(PROMPTS, max_new_tokens=NEW)]
+        assert_same(ref, PROMPTS, first)
+        torch.manual_seed(3)
+        new = {k: v + 0.05 * torch.randn_like(v) for k, v in ref.state_dict().items()}
+        ref.load_state_dict(new)
+        with torch.no_grad():
+            if how == "optimizer_step":
+                for name, p in paged.named_parameters():
+                    p.add_(new[name] - p)
+            elif how == "replaced_data":
+                for name, p in paged.named_parameters():
+                    p.data = new[name].clone()
+            else:
+                paged.load_state_dict({k: v.clone() for k, v in new.items()}, assign=True)
+        out = engine.generate(PROMPTS, max_new_tokens=NEW)
+        assert all(o.num_cached_tokens == 0 for o in out), [o.num_cached_tokens for o in out]
+        assert_same(ref, PROMPTS, [o.output_ids for o in out])
+        again = engine.generate(PROMPTS, max_new_tokens=NEW)  # unchanged since: the prefix cache serves again
+        assert any(o.num_cached_tokens > 0 for o in again)
+
 def test_save_pretrained_after_generating(pair, tmp_path) -> None:
     ref, paged = pair
     before = {k: v.clone() for k, v in paged.state_dict().items()}

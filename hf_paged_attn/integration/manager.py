@@ -38,7 +38,6 @@ from transformers.generation.continuous_batching.utils import WorkloadHints
 from .. import transformers_private as hf
 from ..core.request import RequestOutput
 from ..parallel.tensor_parallel import is_tensor_parallel, on_driver
-from ..runtime.cuda_graphs import CudaGraphExecutor
 from ..runtime.engine import ContinuousBatchingEngine
 from ..runtime.generation.sampling import resolve_max_new_tokens
 from ..runtime.model.memory import blocks_for_batch
@@ -420,12 +419,9 @@ class PagedContinuousBatchingManager:
             self._pause.notify_all()
             self._pause.wait_for(lambda: not self._pauses)
             self._paused = False
-        # The caller may have changed the weights: no later request may reuse K/V cached before
-        engine.allocator.enable_prefix_caching = False
+        # The caller may have changed the weights, through ``p.data`` too, which the engine cannot see
         weights = weights_version(self.model)
-        moved = [a[0] for a in weights] != [b[0] for b in self._weights]
-        if moved and isinstance(engine.executor, CudaGraphExecutor):
-            engine.executor.close()  # a replaced weight tensor: graphs are captured again
+        engine.weights_changed(replaced=[w[0] for w in weights] != [w[0] for w in self._weights])
         self._weights = weights
 
     def _fail_remaining(self, engine: ContinuousBatchingEngine, exc: Exception) -> None:

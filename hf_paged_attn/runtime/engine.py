@@ -37,6 +37,7 @@ from .model.marks import marks_for
 from .model.placement import input_device, layer_kinds
 from .model.sleep import TAGS, SleepState, allocate_pages, free_pages, pool_bytes, sleep_weights, wake_weights
 from .model.weight_loading import load_directory, load_named_tensors
+from .model.weights import WeightsWatch
 from .multimodal import MultimodalInputs, MultimodalSteps, split_images
 from .speculative.speculator import build_speculator
 from .stats import EngineStats, StepCounters
@@ -121,6 +122,7 @@ class ContinuousBatchingEngine(BatchAPI):
         )  # fmt: skip
         self._sleep: SleepState | None = None  # asleep: what sleep() freed (sleep.py)
         self.multimodal = MultimodalSteps(model)
+        self._weights = WeightsWatch(model)  # what the prefix cache and graphs were made of
         if config.compile == COMPILE_AT_STARTUP:
             self._compile_now()
 
@@ -286,7 +288,17 @@ class ContinuousBatchingEngine(BatchAPI):
     def _new_weights(self, num_loaded: int) -> int:
         self.scheduler.recompute_all()
         self.reset_prefix_cache()
+        self._weights.changed()  # seen: the next step need not reset again
         return num_loaded
+
+    def weights_changed(self, replaced: bool = True) -> None:
+        """The model's weights changed (the engine notices changes by torch ops and replaced tensors itself
+        before each step; call this after writes it cannot see, through ``p.data``): no later request reuses
+        a prefix cached before, and ``replaced`` tensors get CUDA graphs captured anew. Requests in flight keep
+        the K/V they computed (as transformers' continuous batching does); ``load_weights`` recomputes them."""
+        self.reset_prefix_cache()
+        if replaced and self.device.type == "cuda":
+            self.executor.close()  # graphs hold the old tensors' addresses: captured again at the next decode
 
     def load_weights_from_dir(self, path: str | os.PathLike[str]) -> int:
         """``load_weights`` of every tensor in the ``*.safetensors`` files of directory ``path``."""
@@ -380,6 +392,9 @@ class ContinuousBatchingEngine(BatchAPI):
     def step(self) -> list[RequestOutput]:
         """One scheduler iteration: returns the requests that produced tokens or finished."""
         start = time.perf_counter()
+        changed, replaced = self._weights.changed()
+        if changed:  # before scheduling: no request admitted now may reuse K/V of the old weights
+            self.weights_changed(replaced)
         outputs = self._take_intake()
         self.speculator.plan(self.scheduler.running)  # speculative decoding: each decode's lookahead
         plan = self.scheduler.schedule()
