@@ -112,6 +112,27 @@ def test_manager_start_add_iterate_cancel_stop(demo, prompts) -> None:  # noqa: 
     manager.destroy()
 
 
+
+def test_a_hard_stop_fails_what_is_still_running(demo, prompts) -> None:  # noqa: ANN001
+    """``stop(hard_stop=True)``: every request not finished gets a FAILED output with transformers' message,
+    and its blocks go back (the engine closes with the session)."""
+    _, paged, _ = demo
+    manager = paged.init_continuous_batching(generation_config=GREEDY)
+    manager.start()
+    try:
+        with manager.pause():  # none can finish before the stop: the loop is held
+            ids = manager.add_requests(prompts[:3], max_new_tokens=500)
+            manager._stop = "hard"  # what stop(hard_stop=True) sets; the pause ends first
+    finally:
+        manager.stop(block=True, timeout=30, hard_stop=True)
+    results = {}
+    while (result := manager.get_result(timeout=0.1)) is not None:
+        results[result.request_id] = result
+    assert sorted(results) == sorted(ids)
+    for result in results.values():
+        assert result.status == RequestStatus.FAILED and "finished before this request completed" in result.error
+    manager.destroy()
+
 def test_context_manager_and_persistent_manager(demo, prompts) -> None:  # noqa: ANN001
     _, paged, ref = demo
     with paged.continuous_batching_context_manager(generation_config=GREEDY) as manager:

@@ -425,8 +425,5 @@ class PagedContinuousBatchingManager:
         self._weights = weights
 
     def _fail_remaining(self, engine: ContinuousBatchingEngine, exc: Exception) -> None:
-        for request in list(engine.intake.live.values()):
-            if request.finished:
-                continue
-            request.finish("error", exc)
-            self._deliver(request.take_output())
+        for out in engine.fail_unfinished(exc):
+            self._deliver(out)

@@ -435,6 +435,16 @@ class ContinuousBatchingEngine(BatchAPI):
                 outputs += self.updater.finish(request, "abort")
         return outputs
 
+    def fail_unfinished(self, exc: Exception) -> list[RequestOutput]:
+        """Fail every request not finished yet, queued or running, with ``exc`` (a loop that ends on an error):
+        their blocks are freed and their final outputs (reason ``"error"``) returned. From the thread that
+        steps, or while none steps."""
+        outputs = self._take_intake()
+        for request in list(self.intake.live.values()):
+            if not request.finished:
+                outputs += self.updater.finish(request, "error", exc)
+        return outputs
+
     # ----------------------------------------------------------------------------- conveniences
     def stream(self) -> Iterator[RequestOutput]:
         """Yield outputs until every queued request has finished (requests may be added meanwhile)."""
