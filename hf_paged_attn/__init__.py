@@ -9,6 +9,7 @@ from . import _env  # noqa: F401  # isort: split
 from .attention.cache import PagedAttentionCache
 from .core.request import RequestOutput, TokenLogprob
 from .integration.register import register
+from .runtime.background import EngineThread
 from .runtime.config import PagedConfig
 from .runtime.engine import ContinuousBatchingEngine
 from .runtime.multimodal import MultimodalInputs
@@ -18,6 +19,7 @@ from .runtime.stats import EngineStats
 __all__ = [
     "ContinuousBatchingEngine",
     "EngineStats",
+    "EngineThread",
     "MultimodalInputs",
     "PagedAttentionCache",
     "PagedConfig",

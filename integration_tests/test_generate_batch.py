@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import runpy
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -120,9 +121,11 @@ def test_a_hard_stop_fails_what_is_still_running(demo, prompts) -> None:  # noqa
     manager = paged.init_continuous_batching(generation_config=GREEDY)
     manager.start()
     try:
-        with manager.pause():  # none can finish before the stop: the loop is held
+        with manager.pause():  # none can finish before the stop: the loop is held, and a stop overrides the hold
             ids = manager.add_requests(prompts[:3], max_new_tokens=500)
-            manager._stop = "hard"  # what stop(hard_stop=True) sets; the pause ends first
+            other = threading.Thread(target=manager.stop, kwargs={"block": False, "hard_stop": True})
+            other.start()
+            other.join(timeout=30)
     finally:
         manager.stop(block=True, timeout=30, hard_stop=True)
     results = {}

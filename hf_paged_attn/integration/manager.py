@@ -38,6 +38,7 @@ from transformers.generation.continuous_batching.utils import WorkloadHints
 from .. import transformers_private as hf
 from ..core.request import RequestOutput
 from ..parallel.tensor_parallel import is_tensor_parallel, on_driver
+from ..runtime.background import EngineThread
 from ..runtime.engine import ContinuousBatchingEngine
 from ..runtime.generation.sampling import resolve_max_new_tokens
 from ..runtime.model.memory import blocks_for_batch
@@ -84,14 +85,12 @@ class PagedContinuousBatchingManager:
         self.output_queue: queue.Queue[GenerationOutput] = queue.Queue()
         self.result_handlers: dict[str, tuple[Callable, asyncio.AbstractEventLoop]] = {}
         self.fatal_error: Exception | None = None
-        self._thread: threading.Thread | None = None
+        self._thread: EngineThread | None = None  # the session's loop (``runtime/background.py``)
         self._counter = 0
         self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stop: str | None = None  # "flush" or "hard"
-        self._pause = threading.Condition()
-        self._pauses = 0
-        self._paused = False
+        self._stopping = False
+        self._pause_holder: threading.Thread | None = None  # the thread inside ``pause()``, if any
+        self._pause_lock = threading.Lock()  # one pause at a time
         self._mode = ExitStack()  # holds generation_mode while a session runs
 
     # ----------------------------------------------------------------------------- sessions
@@ -101,6 +100,11 @@ class PagedContinuousBatchingManager:
 
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def _stop(self) -> str | None:
+        """How the session is ending: None (running or never started), "flush" or "hard"."""
+        return self._thread.stop_mode if self._thread is not None else ("flush" if self._stopping else None)
 
     def start(self) -> None:
         """Start the background loop, on a new engine sized for the workload hints (else from memory)."""
@@ -112,10 +116,10 @@ class PagedContinuousBatchingManager:
                 "the continuous-batching manager's background loop under tensor parallelism; generate_batch and "
                 "generate run tensor-parallel"
             )
-        self._ensure_engine()
-        self._stop, self.fatal_error, self._pauses, self._paused = None, None, 0, False
+        engine = self._ensure_engine()
+        self.fatal_error, self._stopping = None, False
         self._mode.enter_context(generation_mode(self.model))
-        self._thread = threading.Thread(target=self._loop, name="paged-cb-manager", daemon=True)
+        self._thread = EngineThread(engine, self._deliver_all, self._on_error, name="paged-cb-manager")
         self._thread.start()
 
     def stop(
@@ -127,10 +131,10 @@ class PagedContinuousBatchingManager:
         if self._thread is None:
             logger.warning("Manager not started.")
             return
-        if self._pauses and self._pause_held_here():
+        if self._pause_holder is not None and self._pause_holder is threading.current_thread():
             raise RuntimeError("Cannot stop the manager from inside a pause: leave the `pause` context first.")
-        self._stop = "hard" if hard_stop else (self._stop or "flush")
-        self._wake.set()
+        self._stopping = True
+        self._thread.stop("hard" if hard_stop else "flush", timeout=0)
         if block:
             self.join(time.perf_counter(), timeout)
         if keep_for_next_session:
@@ -140,10 +144,12 @@ class PagedContinuousBatchingManager:
         """Wait for the loop to end (at most ``timeout`` seconds), then release the session."""
         if self._thread is None:
             return
-        self._thread.join(timeout=timeout)
-        if self._thread.is_alive():
+        if not self._thread.stop(self._thread.stop_mode or "flush", timeout):
             logger.warning("Generation thread did not exit after join timeout (%s).", timeout)
             return
+        if self._thread.stop_mode == "hard" and self.engine is not None:  # what is still live fails, as in transformers
+            self._deliver_all(self.engine.fail_unfinished(
+                RuntimeError("Generation loop finished before this request completed")))
         self._thread = None
         self._close_engine()
         self._mode.close()  # the model's training flag as it was before start()
@@ -160,24 +166,22 @@ class PagedContinuousBatchingManager:
         """Pause the loop so that the caller can use or change the model (update its weights in place);
         it resumes on exit with its requests in flight. No request admitted after the pause reuses a
         prefix cached before it; graphs are captured anew if a weight tensor was replaced."""
-        if not self.is_running():
+        thread = self._thread
+        if thread is None or not self.is_running():
             raise RuntimeError("Cannot pause generation while no generation loop is running.")
-        with self._pause:
-            self._pauses += 1
-            self._wake.set()
-            self._pause.wait_for(lambda: self._paused or not self.is_running())
-            if not self._paused:
-                self._pauses -= 1
-                raise RuntimeError("The generation loop stopped before it could pause.") from self.fatal_error
-        try:
-            yield
-        finally:
-            with self._pause:
-                self._pauses -= 1
-                self._pause.notify_all()
-
-    def _pause_held_here(self) -> bool:
-        return self._paused and threading.current_thread() is not self._thread
+        with self._pause_lock:
+            thread.hold()
+            try:
+                if not thread.is_alive():
+                    raise RuntimeError("The generation loop stopped before it could pause.") from self.fatal_error
+                self._pause_holder = threading.current_thread()
+                try:
+                    yield
+                finally:
+                    self._pause_holder = None
+                    self._after_pause()
+            finally:
+                thread.release()
 
     # ----------------------------------------------------------------------------- requests in
     def add_request(
@@ -262,7 +266,8 @@ class PagedContinuousBatchingManager:
             for r in requests:
                 self.ledger.drop(r["request_id"])
             raise
-        self._wake.set()
+        if self._thread is not None:
+            self._thread.wake()
         return ids
 
     # ----------------------------------------------------------------------------- results out
@@ -388,42 +393,22 @@ class PagedContinuousBatchingManager:
         return hints.num_requests * self._blocks_for([hints.max_prompt_length], [hints.max_generated_length])
 
     # ----------------------------------------------------------------------------- the loop (its thread)
-    def _loop(self) -> None:
-        engine = self.engine
-        try:
-            while True:
-                if self._pauses:
-                    self._hold_pause(engine)
-                if self._stop == "hard":  # what is still live fails, as in transformers
-                    self._fail_remaining(engine, RuntimeError("Generation loop finished before this request completed"))
-                    return
-                if engine.has_unfinished():
-                    for out in engine.step():
-                        self._deliver(out)
-                elif self._stop == "flush":
-                    return
-                else:
-                    self._wake.wait(timeout=0.1)
-                    self._wake.clear()
-        except Exception as exc:  # the loop dies: every request still live fails
-            logger.error("Error in generation loop: %s", exc, exc_info=True)
-            self.fatal_error = exc
-            self._fail_remaining(engine, exc)
-        finally:
-            with self._pause:
-                self._pause.notify_all()
-
-    def _hold_pause(self, engine: ContinuousBatchingEngine) -> None:
-        with self._pause:
-            self._paused = True
-            self._pause.notify_all()
-            self._pause.wait_for(lambda: not self._pauses)
-            self._paused = False
-        # The caller may have changed the weights, through ``p.data`` too, which the engine cannot see
-        weights = weights_version(self.model)
-        engine.weights_changed(replaced=[w[0] for w in weights] != [w[0] for w in self._weights])
-        self._weights = weights
-
-    def _fail_remaining(self, engine: ContinuousBatchingEngine, exc: Exception) -> None:
-        for out in engine.fail_unfinished(exc):
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
             self._deliver(out)
+
+    def _on_error(self, exc: Exception) -> None:
+        """A step raised past the engine's own guard: the loop dies, and every request still live fails."""
+        logger.error("Error in generation loop: %s", exc, exc_info=True)
+        self.fatal_error = exc
+        if self.engine is not None:
+            self._deliver_all(self.engine.fail_unfinished(exc))
+
+    def _after_pause(self) -> None:
+        """(no step in flight) The caller may have changed the weights, through ``p.data`` too, which the
+        engine cannot see: no later request reuses a prefix cached before the pause."""
+        if self.engine is None:
+            return
+        weights = weights_version(self.model)
+        self.engine.weights_changed(replaced=[w[0] for w in weights] != [w[0] for w in self._weights])
+        self._weights = weights

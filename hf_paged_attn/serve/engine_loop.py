@@ -1,9 +1,10 @@
 """The bridge between one engine and the asyncio server: a background thread steps the engine.
 
-The thread runs ``engine.step()`` while any request is unfinished and sleeps on a condition
-variable otherwise (no polling). Each step's outputs go to the event loop in one
-``call_soon_threadsafe`` call, which puts each output on the asyncio.Queue of the HTTP request
-that asked for it. ``add_request`` and ``abort`` are the engine's thread-safe entry points.
+The thread (``EngineThread``, the loop transformers' manager runs too) runs ``engine.step()`` while any
+request is unfinished and sleeps on a condition variable otherwise (no polling). Each step's outputs go
+to the event loop in one ``call_soon_threadsafe`` call, which puts each output on the asyncio.Queue of
+the HTTP request that asked for it. ``add_request`` and ``abort`` are the engine's thread-safe entry
+points.
 
 ``submit`` may run in any thread, and holds no lock across ``add_request``: a constrained request
 compiles its grammar there (milliseconds to tens on a large vocabulary), which must stall neither
@@ -23,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .. import RequestOutput
+from .. import EngineThread, RequestOutput
 from .metrics import ServeMetrics
 
 logger = logging.getLogger("hf_paged_attn.serve")
@@ -52,18 +53,18 @@ class EngineLoop:
         self._stopping = False  # the thread ends once nothing is left
         self._closed = False  # no new requests (draining past its deadline, or stopping)
         self._reasons: dict[str, str] = {}  # aborted ids -> the finish reason the metrics count (guarded by _cond)
+        self._failing: set[str] = set()  # failed by _fail_all, their error outputs not yet delivered (_cond)
         self._failed: set[str] = set()  # failed by _fail_all, their aborts not yet carried out in the engine (_cond)
-        self._thread: threading.Thread | None = None
+        self._thread = EngineThread(engine, self._after_step, self._fail_all, has_work=self._has_work)
+        self._started = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._subscribers: dict[str, _Subscriber] = {}  # set before add_request, read and popped by the event loop
-        self._num_holds = 0  # callers that asked the thread not to step (hold); guarded by _cond
-        self._stepping = False  # a step is in flight (guarded by _cond)
 
     # ----------------------------------------------------------------------------- event-loop side
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._thread = threading.Thread(target=self._run, name="hf-paged-engine", daemon=True)
         self._thread.start()
+        self._started = True
 
     @property
     def num_unfinished(self) -> int:
@@ -93,7 +94,7 @@ class EngineLoop:
                 self._finished_early.discard(request_id)
             elif not closed:
                 self._live.add(request_id)
-                self._cond.notify_all()
+        self._thread.wake()
         if closed:  # the server began stopping meanwhile: the thread may be gone
             self._subscribers.pop(request_id, None)
             self._abort_in_engine(request_id)
@@ -117,6 +118,7 @@ class EngineLoop:
             self.engine.abort(request_id)
         except ValueError:  # finished in the engine meanwhile
             pass
+        self._thread.wake()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         now = time.perf_counter()
@@ -136,44 +138,40 @@ class EngineLoop:
                 self._subscribers.pop(out.request_id, None)
 
     # ----------------------------------------------------------------------------- engine thread
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._stopping or ((self._live or self._failed) and not self._num_holds))
-                if not self._live and not self._failed:
-                    return  # stopping, and nothing left
-                self._stepping = True
+    def _has_work(self) -> bool:
+        """Requests submitted and not finished, or failed ones whose aborts wait: a request still in
+        ``add_request`` (``_adding``) is not stepped for until ``submit`` has decided to keep it."""
+        with self._cond:
+            return bool(self._live or self._failed or self._failing)
+
+    def _after_step(self, outputs: list[RequestOutput]) -> None:
+        """A step's bookkeeping, on the engine thread: who is still live, the metrics, the outputs to the event loop."""
+        outputs = self._drop_failed(outputs)
+        with self._cond:
+            relabel = {}
+            for out in outputs:
+                if out.finished:
+                    if out.request_id in self._adding:  # finished before submit counted it live
+                        self._finished_early.add(out.request_id)
+                    self._live.discard(out.request_id)
+                    if out.request_id in self._reasons:
+                        relabel[out.request_id] = self._reasons.pop(out.request_id)
+        try:  # bookkeeping must never stop the thread: every open request would hang
+            self.stats = self.engine.stats
+            if self.metrics:
+                self.metrics.record_step(outputs, relabel)
+        except Exception:
+            logger.exception("updating the metrics failed")
+        if outputs:
             try:
-                outputs = self.engine.step()
-            except Exception as exc:  # the engine catches a failing forward itself; this is a last resort
-                logger.exception("engine step failed; failing every unfinished request")
-                outputs = self._fail_all(exc)
-            else:
-                outputs = self._drop_failed(outputs)
-            with self._cond:
-                self._stepping = False
-                self._cond.notify_all()  # a hold waits for the step to end
-                relabel = {}
-                for out in outputs:
-                    if out.finished:
-                        if out.request_id in self._adding:  # finished before submit counted it live
-                            self._finished_early.add(out.request_id)
-                        self._live.discard(out.request_id)
-                        if out.request_id in self._reasons:
-                            relabel[out.request_id] = self._reasons.pop(out.request_id)
-            try:  # bookkeeping must never stop the thread: every open request would hang
-                self.stats = self.engine.stats
-                if self.metrics:
-                    self.metrics.record_step(outputs, relabel)
-            except Exception:
-                logger.exception("updating the metrics failed")
-            if outputs:
-                try:
-                    self._loop.call_soon_threadsafe(self._deliver, outputs)
-                except RuntimeError:  # the event loop is closed: nobody is listening any more
-                    pass
+                self._loop.call_soon_threadsafe(self._deliver, outputs)
+            except RuntimeError:  # the event loop is closed: nobody is listening any more
+                pass
 
     def _fail_all(self, exc: Exception) -> list[RequestOutput]:
+        """A step raised past the engine's own guard: every live request fails (and is answered), and the loop
+        goes on to free their blocks."""
+        logger.exception("engine step failed; failing every unfinished request", exc_info=exc)
         with self._cond:
             ids = list(self._live)
         outputs = []
@@ -184,16 +182,15 @@ class EngineLoop:
                 pass
             outputs.append(RequestOutput(request_id, [], [], [], True, "error", f"{type(exc).__name__}: {exc}"))
         with self._cond:  # the engine frees their blocks at its next step: take it now, not when a request comes
-            self._failed = set(ids)  # a step that fails again gives up on the earlier ones: no loop on a broken engine
+            self._failing = set(ids)  # a step that fails again gives up on the earlier ones: no loop on a broken engine
         return outputs
 
     def _drop_failed(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """``outputs`` less the aborts of the requests ``_fail_all`` failed (already answered, and counted)."""
+        """``outputs`` less the aborts of the requests ``_fail_all`` failed (already answered, and counted): the
+        errors ``_fail_all`` returned pass, and the step after them carries out their aborts."""
         with self._cond:
-            if not self._failed:
-                return outputs
-            failed, self._failed = self._failed, set()  # this step carried out their aborts
-        return [out for out in outputs if out.request_id not in failed]
+            failed, self._failed, self._failing = self._failed, self._failing, set()
+        return [out for out in outputs if out.request_id not in failed] if failed else outputs
 
     # ----------------------------------------------------------------------------- holds (any thread)
     def hold(self, timeout: float) -> bool:
@@ -201,14 +198,10 @@ class EngineLoop:
         ``timeout`` seconds; False otherwise, and the hold stands: release it). While held, the engine's
         state (weights, prefix cache) may be changed from another thread. Requests may still be submitted;
         they wait. Stopping the server overrides a hold."""
-        with self._cond:
-            self._num_holds += 1
-            return self._cond.wait_for(lambda: not self._stepping, timeout)
+        return self._thread.hold(timeout)
 
     def release(self) -> None:
-        with self._cond:
-            self._num_holds = max(self._num_holds - 1, 0)
-            self._cond.notify_all()
+        self._thread.release()
 
     def abort_running(self) -> int:
         """Abort every unfinished request (their clients get an ``"abort"`` output) without closing the
@@ -225,12 +218,8 @@ class EngineLoop:
         with self._cond:
             self._closed = True
             ids = list(self._live)
-            self._cond.notify_all()
         for request_id in ids:
-            try:
-                self.engine.abort(request_id)
-            except ValueError:
-                pass
+            self._abort_in_engine(request_id)
         return len(ids)
 
     def stop(self, timeout: float) -> bool:
@@ -238,7 +227,6 @@ class EngineLoop:
         with self._cond:
             self._stopping = True
         self.abort_all()
-        if self._thread is None:
+        if not self._started:
             return True
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        return self._thread.stop("flush", timeout)
