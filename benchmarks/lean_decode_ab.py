@@ -1,6 +1,6 @@
-"""A compiled decode step's attention with and without ``function._lean_decode`` (the step's native calls
+"""A compiled decode step's attention with and without ``cpu_attention._lean_decode`` (the step's native calls
 prepared once, each layer's only setting its pointers), in one process on one engine: the attention op looks
-``function._lean_decode`` up at run time, and the general variant puts one that always declines in its place,
+``cpu_attention._lean_decode`` up at run time, and the general variant puts one that always declines in its place,
 so both variants run the same graph,
 their runs alternating so both see the same host. Prints each run's wall time, the medians, their ratio
 and whether the tokens agree.
@@ -22,7 +22,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", "3000")  # as our commands run (hf_paged
 
 import torch  # noqa: E402
 
-from hf_paged_attn.attention import function  # noqa: E402
+from hf_paged_attn.runtime.cpu import attention as cpu_attention  # noqa: E402
 from hf_paged_attn_tools.bench import vs_vllm  # noqa: E402
 from hf_paged_attn_tools.bench.ab import report  # noqa: E402
 
@@ -45,16 +45,16 @@ def main(argv: list[str] | None = None) -> None:
                                   "ours_config": {"compile": True}})  # fmt: skip
     walls: dict[str, list[float]] = {"lean": [], "general": []}
     tokens: dict[str, list[list[int]]] = {}
-    lean = function._lean_decode
+    lean = cpu_attention._lean_decode
     for round_ in range(args.rounds + 1):  # round 0: warm-up of both
         for name in walls:
-            function._lean_decode = lean if name == "lean" else lambda *args: None
+            cpu_attention._lean_decode = lean if name == "lean" else lambda *args: None
             start = time.perf_counter()
             outs = engine.generate(prompts, max_new_tokens=new, progress_bar=False)
             if round_:
                 walls[name].append(time.perf_counter() - start)
             tokens[name] = [list(o.output_ids) for o in outs]
-    function._lean_decode = lean
+    cpu_attention._lean_decode = lean
     report(walls, tokens, f"row {args.row}, {len(prompts)} prompts, new tokens {args.new_tokens}")
 
 if __name__ == "__main__":

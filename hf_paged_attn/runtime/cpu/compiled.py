@@ -18,7 +18,7 @@ What the graph sees:
 - a ``StepCache`` in place of the paged cache, whose ``update`` hands K/V through, and the constant
   ``COMPILED`` as the ``paged_forward`` kwarg: nothing in the graph depends on the step, so the
   graph never guards on (and recompiles for) a step's Python numbers or its ``ForwardContext``;
-- each layer's attention as ``hf_paged_attn::step_attention`` (``attention/function.py``), which
+- each layer's attention as ``hf_paged_attn::step_attention`` (``attention.py``), which
   reaches the step through ``COMPILED_STEP`` and runs the eager kernels on the real rows.
 
 Padding rows (a one-token step pads to two rows, since dynamo specialises a size of 1; the
@@ -62,12 +62,13 @@ from transformers import Cache
 from ... import torch_private
 from ...attention.cache import PagedLayer
 from ...attention.forward import ForwardContext
-from ...attention.function import COMPILED, COMPILED_STEP, LAYER_INDEX, CompiledStep
+from ...attention.function import COMPILED, LAYER_INDEX
 from ...attention.step import StepMetadata
 from ...core.layers import LayerKinds
 from ..model.marks import ModelMarks, marks_for, tensor_index
 from ..model.weights import fingerprint
 from . import linear_groups, packed_linear, sampled_rows
+from .attention import COMPILED_STEP, CompiledStep
 from .patches import install_compile_patches
 
 if TYPE_CHECKING:

@@ -16,9 +16,9 @@ import torch
 
 import hf_paged_attn  # noqa: F401  (registers "paged")
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
-from hf_paged_attn.attention import function
 from hf_paged_attn.attention.function import LAYER_INDEX
 from hf_paged_attn.integration.register import patch
+from hf_paged_attn.runtime.cpu import attention as cpu_attention
 from hf_paged_attn.runtime.cpu import compiled as compiled_module
 from hf_paged_attn.runtime.cpu.compiled import CompiledExecutor
 from hf_paged_attn.runtime.executor import LocalExecutor
@@ -118,20 +118,20 @@ def test_padding_rows_never_change_real_rows(pair) -> None:
 
 
 def test_decode_steps_take_the_lean_path_and_equal_the_general_one(pair, monkeypatch) -> None:
-    """A compiled decode step's layers run the native calls prepared once per step (``function._lean_decode``),
+    """A compiled decode step's layers run the native calls prepared once per step (``cpu_attention._lean_decode``),
     padded single-request steps included, and give sdpa's tokens, as the general path does with it off."""
     ref, paged = pair
     prompts = ragged_prompts(4, 3, 30, seed=7)
     expected = greedy(ref, prompts, 10)
     outs: list[torch.Tensor | None] = []
-    real = function._lean_decode
-    monkeypatch.setattr(function, "_lean_decode", lambda *args: outs.append(real(*args)) or outs[-1])
+    real = cpu_attention._lean_decode
+    monkeypatch.setattr(cpu_attention, "_lean_decode", lambda *args: outs.append(real(*args)) or outs[-1])
     with ContinuousBatchingEngine(paged, ON) as engine:
         assert engine.executor.wait(timeout=600)
         lean = run(engine, prompts, 10)
         single = run(engine, prompts[:1], 10)  # one request: every decode step padded to the graph's two rows
         taken = len(outs)
-        monkeypatch.setattr(function, "_lean_decode", lambda *args: None)  # every layer through the general path
+        monkeypatch.setattr(cpu_attention, "_lean_decode", lambda *args: None)  # every layer through the general path
         general = run(engine, prompts, 10)
     layers = paged.config.num_hidden_layers
     assert taken >= layers * (9 + 9) and all(out is not None for out in outs) and len(outs) == taken

@@ -15,7 +15,7 @@ import torch
 
 import hf_paged_attn  # noqa: F401  (registers "paged")
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
-from hf_paged_attn.attention import function
+from hf_paged_attn.runtime.cpu import attention as cpu_attention
 from hf_paged_attn.runtime.cpu import threads as threads_module
 from hf_paged_attn.runtime.cpu.threads import (
     EARLY_HOLD_STEPS,
@@ -331,19 +331,19 @@ def test_compiled_engine_runs_every_count_on_one_graph(llama_dir, two_threads) -
             seen.append(torch.get_num_threads())
             return update(*args, **kwargs)
 
-        lean = function._lean_decode  # a decode step's layers skip cache.update
+        lean = cpu_attention._lean_decode  # a decode step's layers skip cache.update
 
         def counting_lean(*args):  # noqa: ANN002, ANN202
             seen.append(torch.get_num_threads())
             return lean(*args)
 
         cache.update = counting_update
-        function._lean_decode = counting_lean
+        cpu_attention._lean_decode = counting_lean
         try:
             got = [o.output_ids for o in engine.generate(prompts, max_new_tokens=12)]
         finally:
             del cache.update
-            function._lean_decode = lean
+            cpu_attention._lean_decode = lean
         assert inner.num_compiled_steps > 5
         assert {1, 2} <= {c for b in engine.executor.tuner.buckets.values() for c, s in b.samples.items() if s}
         assert set(seen) == {1, 2}  # the graph's body ran at each step's count
