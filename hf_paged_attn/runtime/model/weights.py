@@ -36,7 +36,11 @@ class WeightsWatch:
         self._last = self._read()
 
     def _read(self) -> tuple[int, int]:
-        return fingerprint([*self._model.parameters(), *self._model.buffers()])
+        tensors = [*self._model.parameters(), *self._model.buffers()]
+        # An inference tensor (accelerate's offloaded weights, a buffer made under inference_mode) has no version
+        # counter: it can't be written in place outside inference mode, only replaced, which its pointer shows.
+        versions = sum(version_of(t) for t in tensors if not t.is_inference())
+        return versions, sum(t.data_ptr() for t in tensors)
 
     def changed(self) -> tuple[bool, bool]:
         """(whether anything changed since the last look, whether a tensor was replaced); the look is remembered."""
