@@ -430,7 +430,7 @@ class ContinuousBatchingEngine(BatchAPI):
         for request in to_abort:
             if not request.finished:
                 outputs += self.updater.finish(request, "abort")
-        return outputs + self._advance_lockstep()
+        return outputs + self._advance_lockstep() if to_abort else outputs
 
     @torch.inference_mode()
     def _advance_lockstep(self) -> list[RequestOutput]:

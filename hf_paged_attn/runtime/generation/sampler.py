@@ -39,7 +39,7 @@ class Drawn:
     request: Request
     samples: list[Sample] | Exception
     logits: torch.Tensor  # [len(samples), vocab] the raw rows its stopping criteria see (one, shared by siblings)
-    num_drafted: int = 0  # proposals verified (a speculating request); its samples after them are unverified none
+    num_drafted: int = 0  # proposals verified (a speculating request; 0 for the others)
     parent: Request | None = None  # a ``num_return_sequences`` sibling forked from ``parent`` at this token
 
 
