@@ -172,7 +172,7 @@ def build_step(
 def prompt_scoring(scheduled: list[ScheduledRequest]) -> list[tuple[int, range]]:
     """(index in ``scheduled``, positions) of the requests whose chunk scores prompt tokens
     (``Request.prompt_positions``): their logits rows come last in ``logits_indices``, in this order
-    (``build_step(scored=)``, ``Updater.apply(scored=)``). Read before the step's tokens are
+    (``build_step(scored=)``, ``Sampler.sample(scored=)``). Read before the step's tokens are
     committed (``num_computed_tokens`` is the chunk's start)."""
     out = []
     for i, s in enumerate(scheduled):

@@ -20,14 +20,18 @@ from .policy import POLICIES, SchedulingPolicy
 from .request import Request, Status
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class ScheduledRequest:
     request: Request
     num_new_tokens: int  # fed this step, starting at request.num_computed_tokens
+    draft_ids: tuple[int, ...] = ()  # speculative proposals fed after the request's known tokens
 
 
 @dataclass(slots=True)
 class SchedulerOutput:
+    """The step's plan. Built by ``schedule`` (and, for speculative proposals, ``Speculator.propose``,
+    which returns a new one); nothing changes it after: the executor and the updater only read it."""
+
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     preempted: list[Request] = field(default_factory=list)

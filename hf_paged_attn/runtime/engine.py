@@ -1,9 +1,9 @@
-"""ContinuousBatchingEngine: the loop. Each step is three calls, as in vLLM v1's ``EngineCore.step``:
-the scheduler's plan, the executor's forward, the update from its logits."""
+"""ContinuousBatchingEngine: the loop. Each step is three hand-offs, as in vLLM v1's ``EngineCore.step``:
+the scheduler's plan (speculative proposals included, final once made), the worker's forward and sampler
+(token ids), the update from those tokens."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -16,7 +16,6 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from .. import transformers_private as hf
 from ..attention.cache import PagedAttentionCache
 from ..attention.model_checks import check_paged_model
-from ..attention.step import build_step, prompt_scoring
 from ..core.blocks import BlockAllocator
 from ..core.intake import Intake
 from ..core.kv_manager import KVBlockManager
@@ -29,6 +28,7 @@ from .batch_api import BatchAPI
 from .config import COMPILE_AT_STARTUP, LOGPROBS_MODES, PagedConfig
 from .generation.beam import BeamGroup
 from .generation.lockstep import Lockstep
+from .generation.sampler import Sampler, StepOutput
 from .generation.sampling import make_sampling_params, resolve_max_new_tokens
 from .launcher import Launcher, choose_launcher
 from .model import lora
@@ -42,6 +42,7 @@ from .multimodal import MultimodalInputs, MultimodalSteps, split_images
 from .speculative.speculator import build_speculator
 from .stats import EngineStats, StepCounters
 from .update import Updater
+from .worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class ContinuousBatchingEngine(BatchAPI):
         self.intake = Intake()
         self.grammars = None  # structured.Grammars, made at the first constrained request
         self.counters = StepCounters()
-        self.updater = Updater(self.scheduler, self.kv, self.intake, self.counters, self.generator)
+        self.updater = Updater(self.scheduler, self.kv, self.intake, self.counters)
         self.speculator = build_speculator(
             model, config.speculative, self.kv, self.layers, size.num_pages, self.backend, config.max_batch_tokens,
             self.device, self.generator,
@@ -123,6 +124,9 @@ class ContinuousBatchingEngine(BatchAPI):
         self._sleep: SleepState | None = None  # asleep: what sleep() freed (sleep.py)
         self.multimodal = MultimodalSteps(model)
         self._weights = WeightsWatch(model)  # what the prefix cache and graphs were made of
+        self.sampler = Sampler(self.generator)
+        self.worker = Worker(self.executor, self.sampler, self.cache, self.layers, config.block_size, self.device,
+                             self.multimodal, self.lora)  # fmt: skip
         if config.compile == COMPILE_AT_STARTUP:
             self._compile_now()
 
@@ -313,7 +317,7 @@ class ContinuousBatchingEngine(BatchAPI):
         if name == lora.BASE or name in self.adapters:
             raise ValueError(f"adapter name {name!r} is in use")
         self._peft = lora.load_adapter(self.model, self._peft, name, os.fspath(path))
-        self.lora = lora.attach(self.model, marks_for(self.model))
+        self.lora = self.worker.lora = lora.attach(self.model, marks_for(self.model))
         if name in self._adapters_loaded:  # K/V cached under an earlier adapter of that name is stale
             self.reset_prefix_cache()
         self._adapters_loaded.add(name)
@@ -406,23 +410,16 @@ class ContinuousBatchingEngine(BatchAPI):
 
     @torch.inference_mode()
     def _run(self, plan: SchedulerOutput) -> list[RequestOutput]:
-        """Execute the plan's step and update its requests from the logits."""
+        """The plan's proposals, then the worker's forward and sampler, then the update from its tokens."""
         forward_start = time.perf_counter()
         try:
-            drafts = self.speculator.propose(plan)  # None unless some request speculates
-            scored = prompt_scoring(plan.scheduled)  # prompt_logprobs: the positions this step scores
-            step = build_step(plan.scheduled, self.config.block_size, self.device, self.layers,
-                              block_copies=plan.block_copies, drafts=drafts, scored=scored)  # fmt: skip
-            step = self.multimodal.prepare(step, plan.scheduled)  # image features and M-RoPE positions, if any
-            with self.lora.step(step) if self.lora is not None else contextlib.nullcontext():
-                logits = self.executor.execute(step)
+            plan = self.speculator.propose(plan)  # the last of scheduling: the plan is final from here
+            output = self.worker.execute(plan)
         except Exception as exc:  # one failing step must not take the engine down
-            return self.updater.fail(plan, exc)
+            return self.updater.fail(plan, exc) + self._advance_lockstep()
         self.counters.num_steps += 1
-        self.counters.forward_seconds += time.perf_counter() - forward_start
-        if not self.layers.observed:  # every layer has now attended once: the windows they really use
-            self.layers.observe(self.cache.observed_windows())
-        return self.updater.apply(plan, logits, scored)
+        self.counters.forward_seconds += time.perf_counter() - forward_start - output.sample_seconds
+        return self.updater.update(plan, output)
 
     def _take_intake(self) -> list[RequestOutput]:
         """Move new requests to the scheduler and carry out aborts; returns the aborted outputs."""
@@ -433,6 +430,16 @@ class ContinuousBatchingEngine(BatchAPI):
         for request in to_abort:
             if not request.finished:
                 outputs += self.updater.finish(request, "abort")
+        return outputs + self._advance_lockstep() if to_abort else outputs
+
+    @torch.inference_mode()
+    def _advance_lockstep(self) -> list[RequestOutput]:
+        """A ``model.generate`` batch whose rows waited on one that just ended outside a step (an abort, a
+        failed step) moves now: its sampler draws the rows, the updater records them."""
+        outputs = []
+        for batch in self.updater.take_ready():
+            output = StepOutput(advanced=[(batch, self.sampler.advance_lockstep(batch))])
+            outputs += self.updater.update(SchedulerOutput(), output)
         return outputs
 
     def fail_unfinished(self, exc: Exception) -> list[RequestOutput]:

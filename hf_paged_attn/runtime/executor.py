@@ -1,5 +1,5 @@
-"""Executors: what runs a step's forward. The engine hands each step's description to its executor
-and gets the sampled rows' logits back; it never knows how the forward ran.
+"""Executors: what runs a step's forward. The worker (``worker.py``) hands each step's description to
+its executor and gets the sampled rows' logits back, for its sampler; it never knows how the forward ran.
 
 - ``LocalExecutor``: the model's forward in this process, eagerly.
 - ``cuda_graphs.CudaGraphExecutor``: decode steps replayed from CUDA graphs, the rest eagerly.

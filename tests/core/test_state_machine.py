@@ -29,6 +29,7 @@ admitted after it may be served from the cache.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 from collections import Counter
 
@@ -41,7 +42,7 @@ from hf_paged_attn.core.blocks import ROOT_DIGEST, BlockAllocator, blocks_for, c
 from hf_paged_attn.core.kv_manager import KVBlockManager
 from hf_paged_attn.core.policy import POLICIES
 from hf_paged_attn.core.request import Request, Status, TokenLogprob
-from hf_paged_attn.core.scheduler import Scheduler, SchedulerOutput
+from hf_paged_attn.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 
 ALPHABET = (1, 2)
 MAX_PROMPT = 12
@@ -156,13 +157,16 @@ class Simulation:
         plan = self.scheduler.schedule()
         self._check_plan(plan)
         self._score_prompts(plan)
-        for s in plan.scheduled:  # what Speculator.propose does: proposals cut to the room granted
+        scheduled = []
+        for s in plan.scheduled:  # what Speculator.propose does: proposals cut to the room granted, a new plan
             request = s.request
             granted = s.num_new_tokens - request.num_pending_tokens
             request.draft_ids = request.draft_ids[: max(granted, 0)]
-            if granted > len(request.draft_ids):
-                s.num_new_tokens = request.num_pending_tokens + len(request.draft_ids)
-                self.kv.trim(request, request.num_computed_tokens + s.num_new_tokens)
+            fed = request.num_pending_tokens + len(request.draft_ids)
+            if s.num_new_tokens > fed:
+                self.kv.trim(request, request.num_computed_tokens + fed)
+            scheduled.append(ScheduledRequest(request, min(s.num_new_tokens, fed), tuple(request.draft_ids)))
+        plan = dataclasses.replace(plan, scheduled=scheduled)
         self._apply_copies(plan.block_copies)
         for s in plan.scheduled:
             r = s.request

@@ -81,17 +81,10 @@ class BeamGroup:
             top_num_beam_mask=torch.arange(self.num_candidates, device=device) < n,
         )
 
-    def advance(self, kv: KVBlockManager, scheduler: Scheduler, generator: torch.Generator) -> list[Request]:
-        """One step on the pending logits: the next beams fork their parents' blocks, or the search
-        ends and its finished requests (head first) are returned."""
-        if not self.decide(self.params.generator or generator):
-            self.reorder(kv, scheduler)
-            return []
-        return self.finish(scheduler)
-
     def decide(self, generator: torch.Generator | None = None) -> bool:
         """One step of transformers' beam search on the pending logits; True when the search is over.
-        Afterwards ``parents``/``tokens`` say where each next beam comes from."""
+        Afterwards ``parents``/``tokens`` say where each next beam comes from. The sampler decides; the
+        updater then forks the next beams (``reorder``) or ends the search (``finish``)."""
         rows = [self.pending[id(b)] for b in self.beams]
         self.pending = {}
         logits = torch.stack(rows)  # [live beams, vocab]

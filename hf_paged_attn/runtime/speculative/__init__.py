@@ -8,15 +8,15 @@ request are its last token and its ``k`` proposals (the varlen path's multi-quer
 | ``ngram.py`` | prompt lookup: transformers' candidate choice from an incremental n-gram index |
 | ``draft.py`` | a draft model on its own paged cache, addressed by the target's block ids |
 | ``adaptive.py`` | each request's ``k`` per step from its acceptance rate and the step's cost |
-| ``speculator.py`` | the engine's two calls: ``plan`` (before scheduling), ``propose`` (after) |
-| ``verify.py`` | acceptance (greedy, rejection sampling), recording, commit and rollback |
+| ``speculator.py`` | the engine's two calls around the scheduler: ``plan`` (before), ``propose`` (after) |
+| ``verify.py`` | acceptance (greedy, rejection sampling), run by the sampler |
 
 A step: ``plan`` -> ``Scheduler.schedule`` (reserves ``1 + lookahead`` tokens of a speculating
-decode) -> ``propose`` -> ``build_step`` (proposals fed, ``1 + k`` rows sampled) -> execute ->
-``Updater.apply`` -> ``verify_step``. Proposals stay in ``Request.draft_ids``, never in
-``output_ids``, until accepted; only verified tokens are committed, so no block holding a rejected
-token is ever registered in the prefix cache, and the blocks reserved for rejected tokens go back
-at once (``KVBlockManager.trim``).
+decode) -> ``propose`` (the final plan: ``ScheduledRequest.draft_ids``) -> ``build_step`` (proposals
+fed, ``1 + k`` rows sampled) -> execute -> the sampler's ``verify`` -> ``Updater.update`` (record,
+commit, trim). Proposals live in the plan, never in ``output_ids``, until accepted; only verified
+tokens are committed, so no block holding a rejected token is ever registered in the prefix cache,
+and the blocks reserved for rejected tokens go back at once (``KVBlockManager.trim``).
 """
 
 from .config import SpeculativeConfig

@@ -4,11 +4,12 @@
   ``lookahead`` for the step (``adaptive.allocate``: what pays at this batch size and acceptance;
   never past ``max_new_tokens``); prompt lookup proposes at once, so its lookahead is exactly its
   proposal's length.
-- ``propose(plan)``, after it: the proposals of the scheduled requests, cut to the room the
-  scheduler reserved (it may grant less, or nothing: then the request decodes as usual); the draft
-  model runs here. Returns what ``build_step`` feeds after each request's known tokens.
+- ``propose(plan)``, right after it and still part of scheduling: the plan with the proposals of the
+  scheduled requests, cut to the room the scheduler reserved (it may grant less, or nothing: then the
+  request decodes as usual); the draft model runs here. The plan it returns is final.
 
-Verification is ``verify.py``, from ``Updater.apply``. A request speculates when its own generation
+Verification is ``verify.py``, in the sampler (``generation/sampler.py``); the updater records what it
+accepted. A request speculates when its own generation
 config asks (``prompt_lookup_num_tokens``) or the engine's ``PagedConfig.speculative`` does, and it
 is not a beam search, a row of ``generate``'s lockstep batch (a caller's processors) or a constrained
 request, and every step of its processor plan leaves the ids alone (temperature, top-k, top-p,
@@ -19,6 +20,7 @@ usual beside the speculating ones.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -27,7 +29,7 @@ import torch
 from ...core.kv_manager import KVBlockManager
 from ...core.layers import LayerKinds
 from ...core.request import Request, Status
-from ...core.scheduler import SchedulerOutput
+from ...core.scheduler import ScheduledRequest, SchedulerOutput
 from ...kernels.base import AttentionBackend
 from .adaptive import PROBE_ANY_BATCH, PROBE_STEP, Acceptance, allocate
 from .config import METHODS, RequestSpeculation, SpeculativeConfig, request_speculation
@@ -204,17 +206,18 @@ class Speculator:
         acceptance = Acceptance.like(shared, probe_max=32 if ngram is not None else 256)
         return SpecState(settings, acceptance=acceptance, ngram=ngram, shared=shared)
 
-    # ----------------------------------------------------------------------------- after scheduling
-    def propose(self, plan: SchedulerOutput) -> list[list[int]] | None:
-        """The proposals each scheduled request feeds after its known tokens (None: no request
-        speculates this step). Shortens ``num_new_tokens`` and gives back unused room where a
-        proposal came out shorter than the reservation."""
+    # ----------------------------------------------------------------------------- the plan's last word
+    def propose(self, plan: SchedulerOutput) -> SchedulerOutput:
+        """The scheduler's ``plan`` with each scheduled request's proposals (``ScheduledRequest.draft_ids``),
+        cut to the room the scheduler reserved; where a proposal came out shorter than its room, the
+        request feeds fewer tokens and the unused room is given back. Part of scheduling: the plan it
+        returns is the step's, and nothing changes it after."""
         if self.draft is not None and plan.block_copies:
             self.draft.copy_blocks(plan.block_copies)
         for request in plan.preempted:
             request.lookahead, request.draft_ids = 0, []
         if not plan.num_lookahead_tokens:
-            return None
+            return plan
         to_draft: list[tuple[Request, int]] = []
         for s in plan.scheduled:
             request = s.request
@@ -227,13 +230,15 @@ class Speculator:
                 request.draft_ids = request.draft_ids[:granted]
         if to_draft:
             self.draft.propose(to_draft, self.generator)
+        scheduled = []
         for s in plan.scheduled:
             request = s.request
             fed = request.num_pending_tokens + len(request.draft_ids)
             if s.num_new_tokens > fed:  # the proposal came out shorter than its room
-                s.num_new_tokens = fed
                 self.kv.trim(request, request.num_computed_tokens + fed)
-        return [s.request.draft_ids for s in plan.scheduled]
+            scheduled.append(ScheduledRequest(request, min(s.num_new_tokens, fed), tuple(request.draft_ids)))
+            request.draft_ids = []  # the plan holds them now
+        return dataclasses.replace(plan, scheduled=scheduled)
 
 
 def build_speculator(

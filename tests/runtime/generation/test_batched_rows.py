@@ -1,4 +1,4 @@
-"""The engine's row state for processors that read the ids (``TokenHistory`` in the updater) and its
+"""The engine's row state for processors that read the ids (``TokenHistory`` in the sampler) and its
 lockstep batches: kept right through preemption and forks, released when requests finish, and a
 failing caller's processor fails its batch instead of hanging it."""
 
@@ -36,7 +36,8 @@ def test_batched_processors_survive_preemption(pair) -> None:  # noqa: ANN001
 
     def spy(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         out = original(self, *args, **kwargs)
-        engine_runs.append((self.scheduler.num_preemptions, len(self.updater.history)))
+        self.sampler.release_finished()  # what its next step would do first
+        engine_runs.append((self.scheduler.num_preemptions, len(self.sampler.history)))
         return out
 
     ContinuousBatchingEngine.collect = spy
@@ -66,10 +67,13 @@ def test_history_rows_are_released_by_the_engine(pair) -> None:  # noqa: ANN001
     doomed = engine.add_request(PROMPTS[3], max_new_tokens=50, generation_config=config)
     engine.step()
     engine.step()
-    assert len(engine.updater.history) == 4
+    assert len(engine.sampler.history) == 4
     engine.abort(doomed)
+    engine.step()  # the sampler gives back the aborted request's row at its next step
+    assert len(engine.sampler.history) == 3
     engine.collect(ids)
-    assert len(engine.updater.history) == 0
+    engine.sampler.release_finished()  # what its next step would do first
+    assert len(engine.sampler.history) == 0
 
 
 class Explodes(LogitsProcessor):
