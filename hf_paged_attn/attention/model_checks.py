@@ -30,6 +30,14 @@ KNOWN_UNSUPPORTED: dict[str, str] = {
 }
 
 
+def max_positions(model: torch.nn.Module) -> int | None:
+    """The longest sequence the model's positions cover (its text config's ``max_position_embeddings``),
+    None when the config does not say. The one place that reads it: each caller chooses what None means
+    (no limit on a prompt, a sizing guess, the tokenizer's limit)."""
+    value = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    return int(value) if value else None
+
+
 class UnsupportedModelError(NotImplementedError):
     """The model's architecture can't run on the paged engine (the message says why)."""
 

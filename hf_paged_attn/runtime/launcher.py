@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 
 from ..attention.cache import PagedAttentionCache
+from ..attention.model_checks import max_positions
 from ..core.layers import LayerKinds
 from ..kernels.base import AttentionBackend
 from .config import PagedConfig
@@ -84,8 +85,8 @@ class LocalLauncher:
             return self._threads(eager, counts, model)
         from .cuda_graphs import CudaGraphExecutor
 
-        max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-        return CudaGraphExecutor(eager, layers, config, scratch_block=size.num_blocks, max_positions=max_positions)
+        positions = max_positions(model)
+        return CudaGraphExecutor(eager, layers, config, scratch_block=size.num_blocks, max_positions=positions)
 
     @staticmethod
     def _on_cpu(model: torch.nn.Module) -> bool:

@@ -11,12 +11,16 @@ from collections.abc import Callable
 import torch
 from transformers import PreTrainedConfig
 
+from ...attention.model_checks import max_positions
 from ...core.blocks import blocks_for
 from ...core.kv_manager import blocks_at_peak
 from ...core.layers import AttentionGroup, LayerKinds
 from ...kernels.kv_dtype import SCALE_DTYPE, is_int8, page_dtype
 from ..config import PagedConfig
 from .placement import layer_devices
+
+# The sequence length sizing assumes when the model's config names none: a cap on useful blocks, no limit.
+UNKNOWN_MAX_POSITIONS = 4096
 
 
 def bytes_per_block(
@@ -94,7 +98,7 @@ def fitting_blocks(
     ``config.memory_fraction`` of the free memory holds in pages of ``config.kv_cache_dtype``
     (``blocks_from_memory``), capped at what ``config.max_num_seqs`` requests can use.
     ``num_kv_heads``: as ``bytes_per_block``."""
-    max_position = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 4096
+    max_position = max_positions(model) or UNKNOWN_MAX_POSITIONS
     useful = config.max_num_seqs * blocks_for(max_position, config.block_size)
     slots = layers.num_slots if len(layers.groups) > 1 else None
     dtype = page_dtype(config.kv_cache_dtype, next(model.parameters()).dtype)
