@@ -12,6 +12,7 @@ from .integration.register import register
 from .runtime.background import EngineThread
 from .runtime.config import PagedConfig
 from .runtime.engine import ContinuousBatchingEngine
+from .runtime.generation.params import SamplingParams
 from .runtime.multimodal import MultimodalInputs
 from .runtime.speculative.config import SpeculativeConfig
 from .runtime.stats import EngineStats
@@ -24,6 +25,7 @@ __all__ = [
     "PagedAttentionCache",
     "PagedConfig",
     "RequestOutput",
+    "SamplingParams",
     "SpeculativeConfig",
     "TokenLogprob",
     "register",

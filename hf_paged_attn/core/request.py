@@ -65,7 +65,7 @@ class Request:
     request_id: str
     prompt_ids: list[int]
     max_new_tokens: int
-    sampling: Any  # sampling.SamplingParams, kept opaque so the scheduler stays torch-free
+    sampling: Any  # sampling.RequestSampling, kept opaque so the scheduler stays torch-free
     arrival: int  # order of arrival: the scheduling policy's tie-break
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
@@ -214,7 +214,7 @@ class Request:
             request_id=f"{self.request_id}#{index}",
             prompt_ids=self.prompt_ids,
             max_new_tokens=self.max_new_tokens,
-            # sampling.SamplingParams.for_sequence: a seeded sequence gets its own generator
+            # sampling.RequestSampling.for_sequence: a seeded sequence gets its own generator
             sampling=self.sampling.for_sequence(index) if self.sampling is not None else None,
             arrival=self.arrival,
             priority=self.priority,

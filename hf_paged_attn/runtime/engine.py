@@ -11,11 +11,11 @@ import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
-from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers import GenerationConfig
 
 from .. import transformers_private as hf
 from ..attention.cache import PagedAttentionCache
-from ..attention.model_checks import check_paged_model
+from ..attention.model_checks import check_paged_model, max_positions
 from ..core.blocks import BlockAllocator
 from ..core.intake import Intake
 from ..core.kv_manager import KVBlockManager
@@ -25,9 +25,10 @@ from ..core.scheduler import Scheduler, SchedulerOutput
 from ..kernels import load_backend
 from ..kernels.kv_dtype import KV_CACHE_DTYPES, page_dtype
 from .batch_api import BatchAPI
-from .config import COMPILE_AT_STARTUP, LOGPROBS_MODES, PagedConfig
+from .config import COMPILE_AT_STARTUP, PagedConfig
 from .generation.beam import BeamGroup
 from .generation.lockstep import Lockstep
+from .generation.params import FIELDS, SamplingParams
 from .generation.sampler import Sampler, StepOutput
 from .generation.sampling import make_sampling_params, resolve_max_new_tokens
 from .launcher import Launcher, choose_launcher
@@ -96,7 +97,7 @@ class ContinuousBatchingEngine(BatchAPI):
         self.config = config = config.for_model(model)  # the concrete kernel and block size
         self.generation_config = generation_config or model.generation_config
         self.device = input_device(model)  # not model.device: with accelerate's offload that may be "meta"
-        self.max_position_embeddings = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        self.max_position_embeddings = max_positions(model)  # None: the config does not say
         self.backend = load_backend(config.kernel, self.device)
         self.layers = layer_kinds(model, config.hybrid_kv)
         launcher = launcher or choose_launcher(model)
@@ -151,70 +152,58 @@ class ContinuousBatchingEngine(BatchAPI):
     def add_request(
         self,
         input_ids: Sequence[int] | torch.Tensor,
-        max_new_tokens: int | None = None,
-        generation_config: GenerationConfig | None = None,
+        params: SamplingParams | None = None,
+        *,
         request_id: str | None = None,
-        logits_processor: LogitsProcessorList | None = None,
         priority: int = 0,
-        logprobs: int | None = None,
-        seed: int | None = None,
-        tokenizer: object | None = None,
-        stopping_criteria: StoppingCriteriaList | None = None,
-        padding: Sequence[int] | None = None,
-        structured: object | None = None,
-        lockstep: Lockstep | None = None,
-        prompt_logprobs: int | None = None,
-        ignore_eos: bool = False,
-        logprobs_mode: str | None = None,
         adapter_name: str | None = None,
         multimodal: MultimodalInputs | None = None,
-        **image_inputs: torch.Tensor,
+        padding: Sequence[int] | None = None,
+        lockstep: Lockstep | None = None,
+        **options: object,
     ) -> str:
         """Queue one prompt; returns its request id. Bad input raises ValueError and queues nothing.
 
-        ``priority``: lower runs first under ``scheduling_policy="priority"``. ``logprobs=k``: record
-        each new token's log-probability and its ``k`` best alternatives. ``seed``: the request's own
-        sampling generator. ``tokenizer``: for ``stop_strings``. ``padding``: the prompt's left padding
-        in ``model.generate``'s batch, which its processors see. Beam search: ``num_beams`` > 1.
-        ``structured``: a ``runtime.generation.structured.StructuredSpec`` (or a dict of its fields:
-        ``{"json": schema}``, ``{"json_object": True}``, ``{"regex": ...}``, ``{"choice": [...]}``,
-        ``{"grammar": ...}``) the output must match; needs ``tokenizer`` and the ``[structured]`` extra.
-        ``lockstep``: the ``model.generate`` batch whose caller's processors and criteria the
-        request's row runs under (``lockstep.py``; its own ``logits_processor`` is then None).
-        ``prompt_logprobs=k``: score every prompt token under the model's raw distribution given the
-        tokens before it, with its ``k`` best alternatives (``RequestOutput.prompt_logprobs``, entry 0
-        None); the request is then computed whole, never served from the prefix cache.
-        ``ignore_eos``: EOS does not end the request (vLLM's ``ignore_eos``; a benchmark's fixed output
-        length): an EOS token is kept like any other, and only ``max_new_tokens`` and the stop criteria
-        end it; processors still see the EOS (``min_new_tokens``). Not with ``structured``.
-        ``logprobs_mode``: ``"processed_logprobs"`` or ``"raw_logprobs"`` (None: ``PagedConfig.logprobs_mode``),
-        the distribution ``logprobs`` are taken from.
-        ``adapter_name``: the LoRA adapter the request runs under (None or ``"__base__"``: the base model),
-        one of the model's PEFT adapters.
-        ``image_inputs``: a vision-language model's image inputs for this prompt, as its processor returns
-        them (``pixel_values``, ``image_grid_thw``, ``image_sizes``, ``pixel_attention_mask``; the prompt
-        holds their image tokens), or ``multimodal``, those already cut into images
+        ``params``: how the request samples and what it records (``SamplingParams``: max_new_tokens,
+        generation_config, logprobs, seed, stop criteria, structured outputs, ...). Its fields may be given
+        as keywords instead (``add_request(ids, max_new_tokens=16, seed=0)``), never both.
+        ``priority``: lower runs first under ``scheduling_policy="priority"``. ``adapter_name``: the LoRA
+        adapter the request runs under (None or ``"__base__"``: the base model), one of the model's PEFT
+        adapters. ``padding``: the prompt's left padding in ``model.generate``'s batch, which its
+        processors see. ``lockstep``: the ``model.generate`` batch whose caller's processors and criteria
+        the request's row runs under (``lockstep.py``; its own ``logits_processor`` is then None).
+        Any other keyword is a vision-language model's image input for this prompt, as its processor
+        returns them (``pixel_values``, ``image_grid_thw``, ``image_sizes``, ``pixel_attention_mask``; the
+        prompt holds their image tokens), or ``multimodal``, those already cut into images
         (``multimodal.MultimodalInputs``). The encoder runs when the prefill reaches the first image token.
         """
         if self._sleep is not None:
             raise RuntimeError("the engine is asleep: call wake_up() before adding requests")
+        if params is None:
+            params, options = SamplingParams.split(options)
+        elif not isinstance(params, SamplingParams):
+            raise TypeError(
+                f"add_request's second argument is a SamplingParams, got {params!r}: pass max_new_tokens and "
+                "generation_config by keyword, or as SamplingParams(max_new_tokens=..., generation_config=...)"
+            )
+        elif FIELDS & options.keys():
+            raise TypeError(f"pass {sorted(FIELDS & options.keys())} inside params, not beside it")
+        image_inputs: dict = options  # what is left: the processor's image tensors
         text_config = self.model.config.get_text_config()
         prompt = validate_prompt(input_ids, text_config.vocab_size, self.max_position_embeddings)
         # As in generate: what the caller's config leaves unset (eos, pad, ...) comes from the model's.
         config = self.generation_config
-        if generation_config is not None:
-            config = hf.prepare_generation_config(self.model, generation_config)[0]
-        max_new_tokens = resolve_max_new_tokens(config, len(prompt), max_new_tokens)
+        if params.generation_config is not None:
+            config = hf.prepare_generation_config(self.model, params.generation_config)[0]
+        max_new_tokens = resolve_max_new_tokens(config, len(prompt), params.max_new_tokens)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an int, got {priority!r}")
-        logprobs_mode = self.config.logprobs_mode if logprobs_mode is None else logprobs_mode
-        if logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
+        logprobs_mode = params.logprobs_mode or self.config.logprobs_mode
         sampling = make_sampling_params(
-            self.model, config, len(prompt), logits_processor,
-            stopping_criteria=stopping_criteria, tokenizer=tokenizer, seed=seed, logprobs=logprobs,
-            max_new_tokens=max_new_tokens, prefix=padding, lockstep=lockstep, ignore_eos=ignore_eos,
-            raw_logprobs=logprobs_mode == "raw_logprobs",
+            self.model, config, len(prompt), params.logits_processor,
+            stopping_criteria=params.stopping_criteria, tokenizer=params.tokenizer, seed=params.seed,
+            logprobs=params.logprobs, max_new_tokens=max_new_tokens, prefix=padding, lockstep=lockstep,
+            ignore_eos=params.ignore_eos, raw_logprobs=logprobs_mode == "raw_logprobs",
         )  # fmt: skip
         request = Request("", prompt, max_new_tokens, sampling, arrival=0, priority=priority)
         request.adapter = self._adapter(adapter_name)
@@ -225,16 +214,14 @@ class ContinuousBatchingEngine(BatchAPI):
             multimodal = MultimodalInputs.build(self.model, prompt, images) if images else None
         if multimodal is not None and multimodal.images:
             request.multimodal, request.mm_spans = multimodal, multimodal.spans
-        if prompt_logprobs is not None:
-            if isinstance(prompt_logprobs, bool) or not isinstance(prompt_logprobs, int) or prompt_logprobs < 0:
-                raise ValueError(f"prompt_logprobs must be None or an int >= 0, got {prompt_logprobs!r}")
+        if params.prompt_logprobs is not None:
             if (config.num_beams or 1) > 1 or lockstep is not None:
                 raise NotImplementedError("prompt_logprobs with beam search or a model.generate batch is not supported")
-            request.num_prompt_logprobs, request.prompt_logprobs = prompt_logprobs, [None]
-        if structured is not None:
-            if ignore_eos:  # the grammar's end is its EOS
-                raise ValueError("ignore_eos cannot be combined with structured outputs: a complete output ends at EOS")
-            request.matcher = self._matcher(structured, tokenizer, sampling.eos_token_ids, config.num_beams or 1)
+            request.num_prompt_logprobs, request.prompt_logprobs = params.prompt_logprobs, [None]
+        if params.structured is not None:
+            request.matcher = self._matcher(
+                params.structured, params.tokenizer, sampling.eos_token_ids, config.num_beams or 1
+            )
         if (num_beams := config.num_beams or 1) > 1:
             request.group = BeamGroup(request, num_beams, int(config.num_return_sequences or 1))
         if not self.scheduler.can_ever_fit(request):

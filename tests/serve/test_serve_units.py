@@ -131,7 +131,7 @@ def _handlers():
     text_config = SimpleNamespace(max_position_embeddings=1024)
     engine = SimpleNamespace(generation_config=GenerationConfig(do_sample=False, max_new_tokens=64),
                              model=SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: text_config)),
-                             add_request=add_request)
+                             add_request=add_request, max_position_embeddings=1024)
     return Handlers(SimpleNamespace(engine=engine), AutoTokenizer.from_pretrained(DEMO_MODEL), ServeSettings("m"))
 
 

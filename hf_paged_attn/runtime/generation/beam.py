@@ -27,7 +27,7 @@ from ...core.request import Request, Status
 if TYPE_CHECKING:
     from ...core.kv_manager import KVBlockManager
     from ...core.scheduler import Scheduler
-    from .sampling import SamplingParams
+    from .sampling import RequestSampling
 
 
 
@@ -35,7 +35,7 @@ class BeamGroup:
     """The live beams of one request (``head``) and its finished hypotheses."""
 
     def __init__(self, head: Request, num_beams: int, num_return_sequences: int) -> None:
-        params: SamplingParams = head.sampling
+        params: RequestSampling = head.sampling
         config = params.generation_config
         self.head = head
         self.num_beams = num_beams
@@ -51,7 +51,7 @@ class BeamGroup:
         self._state: dict[str, torch.Tensor] | None = None  # made on the logits' device at the first step
 
     @property
-    def params(self) -> SamplingParams:
+    def params(self) -> RequestSampling:
         return self.head.sampling
 
     def members(self) -> list[Request]:

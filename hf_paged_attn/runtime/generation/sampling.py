@@ -1,6 +1,6 @@
 """Sampling through transformers' own GenerationConfig, logits processors and stopping criteria.
 
-Each request carries ``SamplingParams``: its resolved generation config, the processor list that
+Each request carries ``RequestSampling``: its resolved generation config, the processor list that
 ``generate`` itself would build and its batched plan (``processors.plan_processors``), its stop
 tokens and stopping criteria. A step samples all rows at once where it can: plain greedy rows are
 one batched argmax, and requests whose plans share a key (the same processors with the same
@@ -70,7 +70,7 @@ UNSUPPORTED_OPTIONS = {
 
 
 @dataclass(slots=True)
-class SamplingParams:
+class RequestSampling:
     generation_config: GenerationConfig
     processors: LogitsProcessorList
     do_sample: bool
@@ -91,7 +91,7 @@ class SamplingParams:
     # processors and criteria run on the whole batch; it samples with the batch, not here
     lockstep: Any = None
 
-    def for_sequence(self, index: int) -> SamplingParams:
+    def for_sequence(self, index: int) -> RequestSampling:
         """The params of sibling ``index`` of ``num_return_sequences``: with a ``seed``, a generator of
         its own (from the seed and the index), so each sequence's draws depend on nothing but its own
         tokens, not on which siblings the scheduler ran beside it (a preemption reorders them)."""
@@ -157,7 +157,7 @@ def make_sampling_params(
     lockstep: Any = None,
     ignore_eos: bool = False,
     raw_logprobs: bool = False,
-) -> SamplingParams:
+) -> RequestSampling:
     """Resolve ``config`` as ``generate`` does and build its processors and criteria for one request.
 
     ``prefix``: the left padding ``generate``'s batch put before this prompt; processors and
@@ -187,7 +187,7 @@ def make_sampling_params(
     eos = hf.eos_token_tensor(config)
     eos_ids = frozenset(eos.flatten().tolist()) if eos is not None and not ignore_eos else frozenset()
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-    params = SamplingParams(
+    params = RequestSampling(
         generation_config=config,
         processors=processors,
         do_sample=bool(config.do_sample),
@@ -207,7 +207,7 @@ def make_sampling_params(
     return params
 
 
-def batch_key(params: SamplingParams) -> tuple | None:
+def batch_key(params: RequestSampling) -> tuple | None:
     """What a request's sampling must share with others to be done on stacked rows: sampling or
     not, and its plan's key (its processors' types and the settings their arithmetic depends on).
     None when its row needs its own work: its own generator (``seed=``), or scores, logits or
@@ -293,7 +293,7 @@ def sample_tokens(
     samples: list[Sample | None] = [None] * len(requests)
     together: dict[tuple, list[int]] = {}
     for row, request in enumerate(requests):
-        params: SamplingParams = request.sampling
+        params: RequestSampling = request.sampling
         if not params.needs_row_work:
             samples[row] = Sample(tokens[row])
         elif params.batch_key is not None:
@@ -398,7 +398,7 @@ def _sample_row(
     raw: torch.Tensor, request: Request, generator: torch.Generator | None, history: TokenHistory | None = None
 ) -> Sample:
     """One request's sample from its raw logits [1, vocab], through its own plan and history."""
-    params: SamplingParams = request.sampling
+    params: RequestSampling = request.sampling
     if params.plan.steps:
         ids = _rows([request], history, raw.device) if params.plan.needs_rows else None
         scores = run_plans([params.plan], ids, raw.clone())

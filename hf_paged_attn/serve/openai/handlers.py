@@ -31,6 +31,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from transformers import GenerationConfig
 
+from ... import SamplingParams
 from ..adapters import ServedAdapters
 from ..engine_loop import EngineLoop
 from ..errors import APIError, dumps, json_response
@@ -99,13 +100,13 @@ class Handlers:
         engine = loop.engine
         self.generation_config: GenerationConfig = engine.generation_config
         text_config = engine.model.config.get_text_config()
-        self.context_length = int(getattr(text_config, "max_position_embeddings", None) or tokenizer.model_max_length)
+        self.context_length = int(engine.max_position_embeddings or tokenizer.model_max_length)
         self.limits = RequestLimits(
             vocab_size=int(getattr(text_config, "vocab_size", None) or len(tokenizer)),
             max_prompt_chars=settings.max_prompt_chars or CHARS_PER_TOKEN * self.context_length,
             max_choices=settings.max_queue,
         )
-        self.engine_options = set(inspect.signature(engine.add_request).parameters)
+        self.engine_options = engine_options(engine.add_request)
         self.structured_ok = "structured" in self.engine_options and importlib.util.find_spec("llguidance") is not None
         template = settings.chat_template or getattr(tokenizer, "chat_template", None)
         self.tool_format: ToolCallFormat = detect_format(template if isinstance(template, str) else None,
@@ -612,3 +613,9 @@ async def _chat_chunks(
     if usage.final:
         yield {**base, "choices": [], "usage": _usage(run.job)}
 
+
+def engine_options(add_request: Callable[..., str]) -> set[str]:
+    """The options an engine's ``add_request`` takes: its parameters, and ``SamplingParams``' fields where it
+    takes those (as keywords beside ``params``); an older engine's are its parameters alone."""
+    names = set(inspect.signature(add_request).parameters)
+    return names | {f.name for f in dataclasses.fields(SamplingParams)} if "params" in names else names

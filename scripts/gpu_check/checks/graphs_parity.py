@@ -41,11 +41,11 @@ def graphs_parity(ctx: Context) -> str:
     runner = engine.executor
     if not isinstance(runner, CudaGraphExecutor):
         raise Fail(f"cuda_graphs=True on one CUDA device built a {type(runner).__name__}, not a CudaGraphExecutor")
-    ids = [engine.add_request(p, n) for p, n in zip(prompts[:first], new[:first], strict=True)]
+    ids = [engine.add_request(p, max_new_tokens=n) for p, n in zip(prompts[:first], new[:first], strict=True)]
     finals = {}
     for _ in range(steps):
         finals.update({o.request_id: o for o in engine.step() if o.finished})
-    ids += [engine.add_request(p, n) for p, n in zip(prompts[first:], new[first:], strict=True)]
+    ids += [engine.add_request(p, max_new_tokens=n) for p, n in zip(prompts[first:], new[first:], strict=True)]
     finals.update({o.request_id: o for o in engine.stream() if o.finished})
     if runner.failed:
         raise Fail(f"a capture failed, the engine ran eagerly: {runner.failed}")
