@@ -5,7 +5,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
+
+from .holds import GrammarMatcher, ImageInputs, Sampling, Speculation, TensorLike
 
 
 class Status(enum.Enum):
@@ -41,8 +43,8 @@ class RequestOutput:
     # what raised, for a caller that re-raises it (``model.generate`` raises a caller's processor's own error)
     exception: BaseException | None = None
     num_cached_tokens: int = 0
-    scores: list[Any] | None = None  # per new token: processed scores [vocab] (generate's `scores`)
-    logits: list[Any] | None = None  # per new token: raw logits [vocab] (generate's `logits`)
+    scores: list[TensorLike] | None = None  # per new token: processed scores [vocab] (generate's `scores`)
+    logits: list[TensorLike] | None = None  # per new token: raw logits [vocab] (generate's `logits`)
     logprobs: list[TokenLogprob] | None = None  # per new token, when the request asked for them
     parent_id: str | None = None  # num_return_sequences: the request this sequence was forked from
     index: int = 0  # its place among the parent's sequences (the parent is 0)
@@ -51,6 +53,16 @@ class RequestOutput:
     # prompt_logprobs=k: one entry per prompt token, None for the first (nothing comes before it);
     # set on every output once the whole prompt is scored
     prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+class BeamGroup(Protocol):
+    """The beams of a beam-search request (``runtime.generation.beam.BeamGroup``): scheduled, preempted
+    and sized together."""
+
+    num_beams: int
+
+    @property
+    def beams(self) -> Sequence[Request]: ...
 
 
 @dataclass(slots=True, eq=False)
@@ -65,7 +77,7 @@ class Request:
     request_id: str
     prompt_ids: list[int]
     max_new_tokens: int
-    sampling: Any  # sampling.RequestSampling, kept opaque so the scheduler stays torch-free
+    sampling: Sampling | None  # None only in tests of the scheduler alone
     arrival: int  # order of arrival: the scheduling policy's tie-break
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
@@ -84,11 +96,11 @@ class Request:
     index: int = 0  # 0 for the parent, k for its k-th forked sibling
     children: list[Request] = field(default_factory=list)  # forked after the prompt's first sample
     new_ids: list[int] = field(default_factory=list)
-    scores: list[Any] | None = None
-    logits: list[Any] | None = None
+    scores: list[TensorLike] | None = None
+    logits: list[TensorLike] | None = None
     logprobs: list[TokenLogprob] | None = None
-    group: Any = None  # beam.BeamGroup of a beam-search request and of its beams (preempted together)
-    matcher: Any = None  # runtime.generation.structured.Matcher of a constrained request (its grammar's state)
+    group: BeamGroup | None = None  # of a beam-search request and of its beams (preempted together)
+    matcher: GrammarMatcher | None = None  # a constrained request's grammar state
     score: float | None = None
     beam_indices: list[int] | None = None
     # Speculative decoding (runtime/speculative): tokens proposed after the last known one, fed with
@@ -96,7 +108,8 @@ class Request:
     # until accepted; ``lookahead``: how many the scheduler reserves room for at the next decode step
     draft_ids: list[int] = field(default_factory=list)
     lookahead: int = 0
-    speculation: Any = None  # the request's speculative state (acceptance, proposer's), opaque here
+    # its speculative state (acceptance, proposer's); False once the speculator found it does not speculate
+    speculation: Speculation | bool | None = None
     # prompt_logprobs=k: the scores of the prompt's tokens so far, in order (entry 0 is None). The
     # positions still to score get logits rows of their own (``prompt_positions``); while any is
     # missing the prefix cache serves the request nothing (a hit would skip its positions).
@@ -105,10 +118,10 @@ class Request:
     # The LoRA adapter every token of the request runs under (None: the base model); its name roots
     # the request's prefix-cache digests, so K/V computed under one adapter never serves another.
     adapter: str | None = None
-    # Images (runtime/multimodal.py): ``multimodal`` holds their tensors and encoder output, opaque here;
+    # Images (runtime/multimodal.py): ``multimodal`` holds their tensors and encoder output;
     # ``mm_spans`` each image's (first prompt position, number of tokens, content digest): the tokens of an
     # image are placeholders, so the prefix-cache key of every block an image touches carries its digest
-    multimodal: Any = None
+    multimodal: ImageInputs | None = None
     mm_spans: tuple[tuple[int, int, bytes], ...] = ()
 
     def block_extra(self, start: int, stop: int) -> bytes:
@@ -168,7 +181,10 @@ class Request:
         assert self.prompt_logprobs is not None
         return range(max(start, len(self.prompt_logprobs) - 1), min(start + n, len(self.prompt_ids) - 1))
 
-    def append(self, token: int, scores: Any = None, logits: Any = None, logprob: TokenLogprob | None = None) -> None:
+    def append(
+        self, token: int, scores: TensorLike | None = None, logits: TensorLike | None = None,
+        logprob: TokenLogprob | None = None,
+    ) -> None:
         """A new token, with what the request records along with it (None: nothing to record)."""
         self.output_ids.append(token)
         self.new_ids.append(token)
@@ -231,7 +247,7 @@ class Request:
 
 
 def validate_prompt(
-    input_ids: Sequence[int] | Any, vocab_size: int, max_positions: int | None
+    input_ids: Sequence[int] | TensorLike, vocab_size: int, max_positions: int | None
 ) -> list[int]:
     """One prompt as a list of token ids, or ValueError naming what is wrong with it.
 
