@@ -31,6 +31,7 @@ import torch
 
 from hf_paged_attn.core.blocks import blocks_for
 from hf_paged_attn.kernels import cpu_native, torch_backend
+from hf_paged_attn.kernels.base import AttentionOptions
 
 BLOCK = 16
 SHAPES = {"demo": (4, 2, 64), "llama28m": (8, 4, 64)}  # H, H_kv, D
@@ -151,7 +152,8 @@ def bench_prefill(shape: str, dtype: torch.dtype, name: str, q_lens: list[int], 
     def gathered() -> object:
         with torch_ops_only():
             return torch_backend.paged_prefill_attention(
-                q, k_cache, v_cache, cu_q, used, table, max(q_lens), softmax_scale=scale, memo=memo
+                q, k_cache, v_cache, cu_q, used, table, max(q_lens),
+                options=AttentionOptions(softmax_scale=scale), memo=memo
             )
 
     def native(isa: str | None = None) -> Callable[[], object]:
@@ -163,7 +165,7 @@ def bench_prefill(shape: str, dtype: torch.dtype, name: str, q_lens: list[int], 
 
     def chosen() -> object:  # what the engine runs: native, or gathered where it loses (sdpa_prefill_wins)
         return torch_backend.paged_prefill_attention(q, k_cache, v_cache, cu_q, used, table, max(q_lens),
-                                                     softmax_scale=scale, memo=chosen_memo)  # fmt: skip
+                                                     options=AttentionOptions(scale), memo=chosen_memo)  # fmt: skip
 
     fns = {"gather+SDPA": gathered, "native": native(), "portable": native("portable"), "chosen": chosen}
     ms = compare(fns, reps)
@@ -199,7 +201,7 @@ def bench_shared_prefix(shape: str, dtype: torch.dtype, reps: int, old) -> None:
     def torch_cascade() -> object:
         with torch_ops_only():
             return torch_backend.paged_decode_attention(q, k_cache, v_cache, None, None, lens, table,
-                                                        softmax_scale=scale, memo=memo)  # fmt: skip
+                                                        options=AttentionOptions(scale), memo=memo)  # fmt: skip
 
     fns = {"grouped": new(True), "ungrouped": new(False), "torch cascade": torch_cascade}
     if old is not None:

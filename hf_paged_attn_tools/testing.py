@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedConfig
 
 from hf_paged_attn.core.blocks import blocks_for
-from hf_paged_attn.kernels.base import AttentionBackend
+from hf_paged_attn.kernels.base import AttentionBackend, AttentionOptions
 
 
 def tiny_llama_config(**overrides) -> LlamaConfig:
@@ -228,7 +228,7 @@ class _NoHostReads(torch.overrides.TorchFunctionMode):
 class LaunchedDecode:
     """``backend`` whose decode call is one kernel launch to a trace (the ``launch_decode`` op): a graph
     records it as one node, whose tensor arguments are read at every replay and whose Python arguments
-    (``max_seqlen_k``, ``softmax_scale``, the window, ``softcap``) are those of the capture, as a CUDA
+    (``max_seqlen_k`` and the ``options``: scale, window, ``softcap``) are those of the capture, as a CUDA
     kernel's launch parameters are. ``memo`` is dropped: it is Python state of one forward, which no
     launch can carry (backends that run as one launch ignore it, ``kernels/base.py``). Every other entry
     point is ``backend``'s."""
@@ -254,15 +254,14 @@ class LaunchedDecode:
         block_table: torch.Tensor,
         max_seqlen_k: int | None = None,
         *,
-        softmax_scale: float,
-        causal: bool = True,
-        window_size: tuple[int, int] = (-1, -1),
-        softcap: float = 0.0,
-        sinks: torch.Tensor | None = None,
+        options: AttentionOptions,
         memo: dict | None = None,
     ) -> torch.Tensor:
+        assert options.k_scales is None, "a graph-safe backend reads no int8 pages"
+        left, right = options.window_size
         return launch_decode(q, k_cache, v_cache, k, v, cache_seqlens, block_table, max_seqlen_k, id(self.backend),
-                             softmax_scale, causal, window_size[0], window_size[1], softcap, sinks)  # fmt: skip
+                             options.softmax_scale, options.causal, left, right, options.softcap,
+                             options.sinks)  # fmt: skip
 
 
 _LAUNCHED: dict[int, AttentionBackend] = {}  # the backends LaunchedDecode wraps, by id (an op takes no objects)
@@ -297,7 +296,8 @@ def launch_decode(
             raise ValueError(f"max_seqlen_k={max_seqlen_k}, but a request attends {int(keys.max())} keys: a kernel "
                              "that sizes its launch by max_seqlen_k would skip some")  # fmt: skip
     out = _LAUNCHED[backend].paged_decode_attention(
-        q, k_cache, v_cache, k, v, cache_seqlens, block_table, max_seqlen_k, softmax_scale=softmax_scale,
-        causal=causal, window_size=(window_left, window_right), softcap=softcap, sinks=sinks,
+        q, k_cache, v_cache, k, v, cache_seqlens, block_table, max_seqlen_k,
+        options=AttentionOptions(softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
+                                 softcap=softcap, sinks=sinks),
     )  # fmt: skip
     return out  # fresh memory (an op's output may not alias its inputs)

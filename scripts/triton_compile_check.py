@@ -86,6 +86,7 @@ def main() -> int:
         driver.set_active(_Driver())
         JITFunction.__getitem__ = _compile_instead_of_launch
         from hf_paged_attn.kernels import triton_ops as ops
+        from hf_paged_attn.kernels.base import AttentionOptions
 
         ops._num_sms = lambda device: 132  # an H100/H200's split-K choices
     except Exception as exc:
@@ -98,7 +99,7 @@ def main() -> int:
         new = torch.zeros(batch, 1, kv_heads, dim, dtype=dtype)
         table = torch.zeros(batch, ctx // block_size, dtype=torch.int32)
         lens = torch.zeros(batch, dtype=torch.int32)
-        ops.paged_decode_attention(q, pages, pages, new, new, lens, table, softmax_scale=0.1, **options)
+        ops.paged_decode_attention(q, pages, pages, new, new, lens, table, options=AttentionOptions(0.1, **options))
 
     def prefill(dtype, tokens, heads, kv_heads, dim, block_size, **options):
         q = torch.zeros(tokens, heads, dim, dtype=dtype)
@@ -106,7 +107,8 @@ def main() -> int:
         cu = torch.tensor([0, tokens // 2, tokens], dtype=torch.int32)
         used = torch.full((2,), tokens, dtype=torch.int32)
         table = torch.zeros(2, 16, dtype=torch.int32)
-        ops.paged_prefill_attention(q, pages, pages, cu, used, table, tokens // 2, softmax_scale=0.1, **options)
+        ops.paged_prefill_attention(q, pages, pages, cu, used, table, tokens // 2,
+                                    options=AttentionOptions(0.1, **options))
         new = torch.zeros(tokens, kv_heads, dim, dtype=dtype)
         ops.write_kv(new, new, pages, pages, torch.zeros(tokens, dtype=torch.int64))
 

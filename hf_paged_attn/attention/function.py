@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
+from ..kernels.base import AttentionOptions
 from .cache import ACTIVE_FORWARD, pad_head_dim
 from .forward import ForwardContext
 from .model_checks import check_attention_call
@@ -72,9 +73,9 @@ def paged_attention_forward(
     query = pad_head_dim(query, layer.width)  # K and V head dims differ (latent attention): pages are wider
     window = (sliding_window - 1, sliding_window - 1) if sliding_window else (-1, -1)
     # fp8 pages hold k / k_scale and v / v_scale (cache.py): k_scale joins the softmax scale, v_scale the output
-    options = dict(
+    options = AttentionOptions(
         softmax_scale=scale * layer.k_scale, causal=True, window_size=window, softcap=softcap or 0.0, sinks=s_aux,
-        memo=inputs.memo, **layer.scale_kwargs,
+        k_scales=layer.k_scales, v_scales=layer.v_scales,
     )
     q = query[0].transpose(0, 1)  # [N, H, D]
     # A sliding group's max_length_k counts the keys its window leaves; the kernels' max_seqlen_k must bound
@@ -93,7 +94,8 @@ def paged_attention_forward(
             inputs.cache_seqlens,
             inputs.block_table,
             max_seqlen_k,
-            **options,
+            options=options,
+            memo=inputs.memo,
         ).squeeze(1)  # [N, H, D]
     else:
         out = context.backend.paged_prefill_attention(
@@ -105,7 +107,8 @@ def paged_attention_forward(
             inputs.block_table,
             inputs.max_length_q,
             max_seqlen_k,
-            **options,
+            options=options,
+            memo=inputs.memo,
         )
     out = out[..., :value_dim].unsqueeze(0)  # [1, N, H, D_v]
     return (out if layer.v_scale == 1.0 else out * layer.v_scale), None

@@ -9,7 +9,7 @@ query tokens, ``B`` requests, ``H`` query heads, ``H_kv`` K/V heads, ``D`` head 
     pages k_cache, v_cache: [num_blocks, block_size, H_kv, D].
 
 ``paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q,
-max_seqlen_k, *, softmax_scale, causal, window_size, softcap, sinks, memo) -> [N, H, D]``
+max_seqlen_k, *, options, memo) -> [N, H, D]``
     The varlen path (any step with prefill). q: [N, H, D], packed requests; cu_seqlens_q: int32
     [B + 1]; request b attends its first ``seqused_k[b]`` keys (int32 [B], the step's own keys
     included: they were written with ``write_kv`` first), read straight from the pages through
@@ -17,19 +17,17 @@ max_seqlen_k, *, softmax_scale, causal, window_size, softcap, sinks, memo) -> [N
     (flash-attn >= 2.1), so a query chunk sees every earlier key. Requests without keys output zeros.
 
 ``paged_decode_attention(q, k_cache, v_cache, k, v, cache_seqlens, block_table, max_seqlen_k, *,
-softmax_scale, causal, window_size, softcap, sinks, memo) -> [B, 1, H, D]``
+options, memo) -> [B, 1, H, D]``
     The decode path (every request feeds one token), ``flash_attn_with_kvcache`` semantics.
     q: [B, 1, H, D]; k, v: [B, 1, H_kv, D], appended in place at position ``cache_seqlens[b]``
     (int32 [B], the tokens cached before), or None when already written (then cache_seqlens counts
     the keys to attend).
 
 int8 pages (``PagedConfig(kv_cache_dtype="int8")``) come with their scales: the backends that declare
-``supports_int8_pages`` take keyword ``k_scales`` / ``v_scales`` ([num_blocks, block_size, H_kv]) in all three
-entry points; the others are never given int8 pages.
+``supports_int8_pages`` take them in ``AttentionOptions.k_scales`` / ``v_scales`` ([num_blocks, block_size,
+H_kv]) and as keywords of ``write_kv``; the others are never given int8 pages.
 
-Shared options: ``window_size`` (left, right), -1 unbounded: key j is visible to query i (absolute
-positions) when i - left <= j <= i + right. ``softcap`` > 0 applies ``softcap * tanh(s / softcap)``.
-``sinks``: [H] per-head logits that join the softmax denominator only (GPT-OSS). ``max_seqlen_q`` /
+``options``: an ``AttentionOptions``, what the layer computes besides its tensors (below). ``max_seqlen_q`` /
 ``max_seqlen_k``: host-side upper bounds of the query and key lengths, so a launch is sized without
 a device sync (None: the backend reads what it needs from the lengths, or takes the block table's
 capacity). ``max_seqlen_q`` >= every request's query count; at 1 some requests may have none.
@@ -46,9 +44,30 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class AttentionOptions:
+    """What one layer's attention computes besides its tensors: the same for its prefill and decode calls,
+    made once per call by the attention function and read by every backend.
+
+    ``window_size`` (left, right), -1 unbounded: key j is visible to query i (absolute positions) when
+    i - left <= j <= i + right. ``softcap`` > 0 applies ``softcap * tanh(s / softcap)``. ``sinks``: [H]
+    per-head logits that join the softmax denominator only (GPT-OSS). ``k_scales`` / ``v_scales``: int8
+    pages' per-token scales [num_blocks, block_size, H_kv] (``kv_dtype.py``), None for other pages.
+    """
+
+    softmax_scale: float
+    causal: bool = True
+    window_size: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    sinks: torch.Tensor | None = None
+    k_scales: torch.Tensor | None = None
+    v_scales: torch.Tensor | None = None
 
 
 class AttentionBackend(ABC):
@@ -139,11 +158,7 @@ class AttentionBackend(ABC):
         max_seqlen_q: int | None = None,
         max_seqlen_k: int | None = None,
         *,
-        softmax_scale: float,
-        causal: bool = True,
-        window_size: tuple[int, int] = (-1, -1),
-        softcap: float = 0.0,
-        sinks: torch.Tensor | None = None,
+        options: AttentionOptions,
         memo: dict | None = None,
     ) -> torch.Tensor: ...
 
@@ -179,11 +194,7 @@ class AttentionBackend(ABC):
         block_table: torch.Tensor,
         max_seqlen_k: int | None = None,
         *,
-        softmax_scale: float,
-        causal: bool = True,
-        window_size: tuple[int, int] = (-1, -1),
-        softcap: float = 0.0,
-        sinks: torch.Tensor | None = None,
+        options: AttentionOptions,
         memo: dict | None = None,
     ) -> torch.Tensor: ...
 

@@ -22,7 +22,7 @@ from types import ModuleType
 
 import torch
 
-from .base import AttentionBackend
+from .base import AttentionBackend, AttentionOptions
 
 __all__ = ["FlashBackend", "graph_safe_for", "paged_decode_attention", "paged_prefill_attention", "write_kv"]
 
@@ -130,14 +130,15 @@ def _check_pages(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError("k_cache and v_cache must have a contiguous last dimension for flash-attn")
 
 
-def _options(softmax_scale: float, causal: bool, window_size: tuple[int, int], softcap: float) -> dict:
+def _options(options: AttentionOptions) -> dict:
     """The options every flash-attn entry point takes, as plain Python scalars (no tensors, no
     numpy ints: flash-attn's C++ binding rejects them)."""
+    left, right = options.window_size
     return dict(
-        softmax_scale=float(softmax_scale),
-        causal=bool(causal),
-        window_size=(int(window_size[0]), int(window_size[1])),
-        softcap=float(softcap),
+        softmax_scale=float(options.softmax_scale),
+        causal=bool(options.causal),
+        window_size=(int(left), int(right)),
+        softcap=float(options.softcap),
     )
 
 
@@ -169,11 +170,7 @@ def paged_prefill_attention(
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
     *,
-    softmax_scale: float,
-    causal: bool = True,
-    window_size: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    sinks: torch.Tensor | None = None,
+    options: AttentionOptions,
     memo: dict | None = None,
 ) -> torch.Tensor:
     """Packed queries against keys read from the pages: flash-attn's varlen kernel with a block table.
@@ -184,7 +181,7 @@ def paged_prefill_attention(
     ``_key_bound``); ``memo`` is accepted for the protocol only.
     Returns [total_q, H, D].
     """
-    _check_supported(q, sinks)
+    _check_supported(q, options.sinks)
     _check_pages(k_cache, v_cache)
     fa = _load_flash_attn()
     if max_seqlen_q is None:
@@ -200,7 +197,7 @@ def paged_prefill_attention(
         cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=_query_bound(int(max_seqlen_q), q.shape[0], cu_seqlens_q.numel() - 1),
         max_seqlen_k=_key_bound(block_table, k_cache),
-        **_options(softmax_scale, causal, window_size, softcap),
+        **_options(options),
         block_table=_safe_block_table(block_table, q.device),
     )
 
@@ -215,18 +212,14 @@ def paged_decode_attention(
     block_table: torch.Tensor,
     max_seqlen_k: int | None = None,
     *,
-    softmax_scale: float,
-    causal: bool = True,
-    window_size: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    sinks: torch.Tensor | None = None,
+    options: AttentionOptions,
     memo: dict | None = None,
 ) -> torch.Tensor:
     """One new token per request. q: [B, 1, H, D]; k_cache, v_cache: [num_blocks, block_size, H_kv,
     D]; k, v: [B, 1, H_kv, D] appended in place at cache_seqlens[b] (then cache_seqlens[b] + 1 keys
     are attended), or None (then cache_seqlens[b] keys, already in the pages); block_table:
     [B, max_blocks]. ``max_seqlen_k`` and ``memo`` are accepted for the protocol only. Returns [B, 1, H, D]."""
-    _check_supported(q, sinks)
+    _check_supported(q, options.sinks)
     _check_pages(k_cache, v_cache)
     if (k is None) != (v is None):
         raise ValueError("pass both k and v, or neither")
@@ -239,7 +232,7 @@ def paged_decode_attention(
         v=None if v is None else _last_dim_contiguous(v),
         cache_seqlens=_int32(cache_seqlens, q.device),
         block_table=_safe_block_table(block_table, q.device),
-        **_options(softmax_scale, causal, window_size, softcap),
+        **_options(options),
     )
 
 

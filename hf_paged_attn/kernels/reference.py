@@ -7,23 +7,23 @@ from __future__ import annotations
 
 import torch
 
+from .base import AttentionOptions
+
 
 def attend_one(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    softmax_scale: float,
-    causal: bool = True,
-    window_size: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    sinks: torch.Tensor | None = None,
+    options: AttentionOptions,
 ) -> torch.Tensor:
     """Attention of one request. q: [q_len, H, D]; k, v: [k_len, H_kv, D] -> [q_len, H, D].
 
     Queries sit at the end of the keys (bottom-right alignment): query i has absolute position
     ``k_len - q_len + i``. A query that sees no key (and has no sink) outputs zeros, as flash-attn does.
+    k and v are plain tensors: ``options.k_scales`` / ``v_scales`` are not read.
     """
+    softmax_scale, softcap, sinks, causal = options.softmax_scale, options.softcap, options.sinks, options.causal
     q_len, num_heads, head_dim = q.shape
     k_len, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
@@ -38,7 +38,7 @@ def attend_one(
     q_pos = torch.arange(k_len - q_len, k_len, device=q.device).unsqueeze(1)  # [q_len, 1]
     k_pos = torch.arange(k_len, device=q.device).unsqueeze(0)  # [1, k_len]
     visible = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device)
-    left, right = window_size
+    left, right = options.window_size
     if causal:
         right = 0 if right < 0 else min(right, 0)
     if left >= 0:
@@ -66,7 +66,8 @@ def varlen_reference(
     v: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
-    **kwargs,
+    *,
+    options: AttentionOptions,
 ) -> torch.Tensor:
     """Packed varlen attention, one request at a time. Shapes as the backends' ``varlen_attention``."""
     out = torch.zeros_like(q)
@@ -74,7 +75,7 @@ def varlen_reference(
         q0, q1 = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
         k0, k1 = int(cu_seqlens_k[b]), int(cu_seqlens_k[b + 1])
         if q1 > q0:
-            out[q0:q1] = attend_one(q[q0:q1], k[k0:k1], v[k0:k1], **kwargs)
+            out[q0:q1] = attend_one(q[q0:q1], k[k0:k1], v[k0:k1], options=options)
     return out
 
 

@@ -14,7 +14,7 @@ from types import ModuleType
 
 import torch
 
-from .base import AttentionBackend, power_of_two_at_least_16
+from .base import AttentionBackend, AttentionOptions, power_of_two_at_least_16
 
 
 def _ops() -> ModuleType:
@@ -78,17 +78,12 @@ class TritonBackend(AttentionBackend):
         max_seqlen_q: int | None = None,
         max_seqlen_k: int | None = None,
         *,
-        softmax_scale: float,
-        causal: bool = True,
-        window_size: tuple[int, int] = (-1, -1),
-        softcap: float = 0.0,
-        sinks: torch.Tensor | None = None,
+        options: AttentionOptions,
         memo: dict | None = None,
     ) -> torch.Tensor:
         return _ops().paged_prefill_attention(
-            q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
-            softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap, sinks=sinks,
-        )  # fmt: skip
+            q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, options=options
+        )
 
     def paged_decode_attention(
         self,
@@ -101,14 +96,9 @@ class TritonBackend(AttentionBackend):
         block_table: torch.Tensor,
         max_seqlen_k: int | None = None,
         *,
-        softmax_scale: float,
-        causal: bool = True,
-        window_size: tuple[int, int] = (-1, -1),
-        softcap: float = 0.0,
-        sinks: torch.Tensor | None = None,
+        options: AttentionOptions,
         memo: dict | None = None,
     ) -> torch.Tensor:
         return _ops().paged_decode_attention(
-            q, k_cache, v_cache, k, v, cache_seqlens, block_table, max_seqlen_k,
-            softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap, sinks=sinks,
-        )  # fmt: skip
+            q, k_cache, v_cache, k, v, cache_seqlens, block_table, max_seqlen_k, options=options
+        )

@@ -24,7 +24,7 @@ import functools
 
 import torch
 
-from .base import power_of_two_at_least_16
+from .base import AttentionOptions, power_of_two_at_least_16
 from .kv_dtype import is_fp8, to_pages, writable, write_pages
 
 try:
@@ -547,11 +547,7 @@ def paged_decode_attention(
     block_table: torch.Tensor,
     max_seqlen_k: int | None = None,
     *,
-    softmax_scale: float,
-    causal: bool = True,
-    window_size: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    sinks: torch.Tensor | None = None,
+    options: AttentionOptions,
     memo: dict | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
@@ -569,6 +565,7 @@ def paged_decode_attention(
 
     One launch (the append is fused into the decode kernel), two when split-K needs the reduce.
     """
+    softmax_scale, softcap, sinks = options.softmax_scale, options.softcap, options.sinks
     block_size = _check_cache(k_cache, v_cache)
     if q.dim() != 4 or q.shape[1] != 1:
         raise ValueError(f"q must be [batch, 1, num_heads, head_dim], got {tuple(q.shape)}")
@@ -606,7 +603,7 @@ def paged_decode_attention(
     else:
         k3 = v3 = q3  # never read (NEW_TOKEN=False) but the kernel needs some pointer
 
-    left, _ = _effective_window(window_size, causal)
+    left, _ = _effective_window(options.window_size, options.causal)
     max_len = block_table.shape[1] * block_size
     block_d = _pow2(head_dim)
     block_n = _decode_block_n(head_dim)
@@ -662,14 +659,10 @@ def _prefill(
     seqused_k: torch.Tensor,
     block_table: torch.Tensor,
     max_seqlen_q: int,
-    *,
-    softmax_scale: float,
-    causal: bool,
-    window_size: tuple[int, int],
-    softcap: float,
-    sinks: torch.Tensor | None,
+    options: AttentionOptions,
 ) -> torch.Tensor:
     """The launcher of ``_prefill_kernel``."""
+    softmax_scale, softcap, sinks = options.softmax_scale, options.softcap, options.sinks
     if q.dim() != 3:
         raise ValueError(f"q must be [total_q, num_heads, head_dim], got {tuple(q.shape)}")
     total_q, num_heads, head_dim = q.shape
@@ -686,7 +679,7 @@ def _prefill(
     batch = cu_seqlens_q.numel() - 1
     if total_q == 0 or batch <= 0 or max_seqlen_q <= 0:
         return out
-    left, right = _effective_window(window_size, causal)
+    left, right = _effective_window(options.window_size, options.causal)
     block_g = triton.next_power_of_2(group)
     block_m = max(_PREFILL_BLOCK_M, block_g)
     block_d = _pow2(head_dim)
@@ -715,11 +708,7 @@ def paged_prefill_attention(
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
     *,
-    softmax_scale: float,
-    causal: bool = True,
-    window_size: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    sinks: torch.Tensor | None = None,
+    options: AttentionOptions,
     memo: dict | None = None,
 ) -> torch.Tensor:
     """Packed queries against K/V read straight from the pages (no gather).
@@ -735,6 +724,5 @@ def paged_prefill_attention(
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if cu_seqlens_q.numel() > 1 else 0
     return _prefill(
-        q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, int(max_seqlen_q),
-        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap, sinks=sinks,
-    )  # fmt: skip
+        q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, int(max_seqlen_q), options
+    )

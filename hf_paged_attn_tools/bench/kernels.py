@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from hf_paged_attn.core.blocks import blocks_for
 from hf_paged_attn.kernels import reference, torch_backend
+from hf_paged_attn.kernels.base import AttentionOptions
 
 H, H_KV, D, BLOCK = 8, 2, 64, 16
 SCALE = D**-0.5
@@ -58,8 +59,9 @@ def bench_varlen(name: str, shapes: list[tuple[int, int]]) -> None:
     cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32)
     args = (q, k, v, cu_q, cu_k, max(q_lens), max(k_lens))
-    fast = timed(lambda: torch_backend.varlen_attention(*args, softmax_scale=SCALE))
-    capped = timed(lambda: torch_backend.varlen_attention(*args, softmax_scale=SCALE, softcap=30.0))
+    fast = timed(lambda: torch_backend.varlen_attention(*args, options=AttentionOptions(softmax_scale=SCALE)))
+    capped = timed(lambda: torch_backend.varlen_attention(*args,
+                                                          options=AttentionOptions(softmax_scale=SCALE, softcap=30.0)))
     loop = timed(lambda: per_request_loop(q, k, v, cu_q, cu_k))
     print(f"varlen {name:33s} backend {fast} | softcap {capped} | per-request loop {loop} us")
 
@@ -79,8 +81,10 @@ def bench_decode(batch: int, context: int) -> None:
             F.scaled_dot_product_attention(q[b].transpose(0, 1), keys, vals, scale=SCALE, enable_gqa=True)
 
     args = (q, k_cache, v_cache, k, v, lens, table)
-    fast = timed(lambda: torch_backend.paged_decode_attention(*args, softmax_scale=SCALE))
-    capped = timed(lambda: torch_backend.paged_decode_attention(*args, softmax_scale=SCALE, softcap=30.0))
+    fast = timed(lambda: torch_backend.paged_decode_attention(*args, options=AttentionOptions(softmax_scale=SCALE)))
+    capped = timed(lambda: torch_backend.paged_decode_attention(*args,
+                                                                options=AttentionOptions(softmax_scale=SCALE,
+                                                                                         softcap=30.0)))
     slow = timed(loop)
     name = f"{batch} x {context} tokens"
     print(f"decode {name:33s} backend {fast} | softcap {capped} | per-request loop {slow} us")

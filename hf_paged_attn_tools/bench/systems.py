@@ -95,7 +95,8 @@ def run_engine(
     before = engine.stats
 
     cpu_start, start = time.process_time(), time.perf_counter()
-    index = {engine.add_request(p, max_new_tokens=n, generation_config=gen_config): i for i, (p, n) in enumerate(zip(work.prompts, work.max_new_tokens))}
+    index = {engine.add_request(p, max_new_tokens=n, generation_config=gen_config): i
+             for i, (p, n) in enumerate(zip(work.prompts, work.max_new_tokens))}  # fmt: skip
     stamps: dict[int, list[float]] = {}
     finals: dict[int, Any] = {}
     for out in engine.stream():

@@ -16,11 +16,13 @@ with the float64 reference, including where that differs from plain attention:
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import torch
 
 from hf_paged_attn.kernels import reference
+from hf_paged_attn.kernels.base import AttentionOptions
 
 MAX_HEAD_DIM = 256
 
@@ -37,24 +39,24 @@ def readable_keys(max_seqlen_k: int, head_dim: int) -> int:
 
 
 def attend_split_kv(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, limit: int, **options: object
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, limit: int, options: AttentionOptions
 ) -> torch.Tensor:
     """One request as the split-KV kernel computes it: query i at position ``k_len - q_len + i`` (bottom-
     right), keys at positions >= ``limit`` never read. q: [q_len, H, D]; keys, values: [k_len, H_kv, D]."""
     q_len, k_len = q.shape[0], keys.shape[0]
     if limit >= k_len:  # nothing cut: the reference as it is
-        return reference.attend_one(q, keys, values, **options)
+        return reference.attend_one(q, keys, values, options=options)
     # Rows see keys up to their own position (the adapter is always causal; with one query per request
     # flash-attn drops ``causal``, which changes nothing for a bottom-right query).
-    left = options["window_size"][0]
+    left = options.window_size[0]
     out = torch.zeros_like(q)
     for i in range(q_len):
         position = k_len - q_len + i
         first = max(position - left, 0) if left >= 0 else 0
         last = min(position + 1, limit)  # causal, and cut at the limit
         if first < last:  # every key of [first, last) is visible: no mask needed
-            rest = {**options, "causal": False, "window_size": (-1, -1)}
-            out[i : i + 1] = reference.attend_one(q[i : i + 1], keys[first:last], values[first:last], **rest)
+            rest = dataclasses.replace(options, causal=False, window_size=(-1, -1))
+            out[i : i + 1] = reference.attend_one(q[i : i + 1], keys[first:last], values[first:last], options=rest)
     return out
 
 
@@ -135,19 +137,19 @@ class FakeFlashAttn(SimpleNamespace):
             self._swap_grouped_heads(q, k.shape[-2], batch, (left, right))
         left = -1 if left >= max_seqlen_k else left
         right = -1 if right >= max_seqlen_k else right
-        options = dict(softmax_scale=softmax_scale, causal=causal, window_size=(left, right), softcap=softcap)
+        options = AttentionOptions(softmax_scale, causal=causal, window_size=(left, right), softcap=softcap)
         if max_seqlen_k == 0:
             return torch.zeros_like(q)
         if block_table is None:
             assert max(k_lens) <= max_seqlen_k
-            return reference.varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
+            return reference.varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, options=options)
         self._check_table(block_table, k, q)
         limit = readable_keys(max_seqlen_k, q.shape[-1])
         out = torch.zeros_like(q)
         for b, (q0, n_k) in enumerate(zip(cu_seqlens_q[:-1].tolist(), k_lens, strict=True)):
             keys = reference.gather_pages(k, block_table[b], n_k)  # [n_k, H_kv, D]
             values = reference.gather_pages(v, block_table[b], n_k)
-            out[q0 : q0 + q_lens[b]] = attend_split_kv(q[q0 : q0 + q_lens[b]], keys, values, limit, **options)
+            out[q0 : q0 + q_lens[b]] = attend_split_kv(q[q0 : q0 + q_lens[b]], keys, values, limit, options)
         return out
 
     def flash_attn_with_kvcache(
@@ -191,7 +193,8 @@ class FakeFlashAttn(SimpleNamespace):
             keys = reference.gather_pages(k_cache, block_table[b], n)
             values = reference.gather_pages(v_cache, block_table[b], n)
             out[b] = reference.attend_one(
-                q[b], keys, values, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                softcap=softcap,
+                q[b], keys, values,
+                options=AttentionOptions(softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                                         softcap=softcap),
             )  # fmt: skip
         return out

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hf_paged_attn.kernels import cpu_native, reference, torch_backend
+from hf_paged_attn.kernels.base import AttentionOptions
 
 needs_compiler = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
 
@@ -57,7 +58,7 @@ def test_the_kernel_builds_and_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         keys = reference.gather_pages(case["k_cache"], case["block_table"][b], n + 1)
         values = reference.gather_pages(case["v_cache"], case["block_table"][b], n + 1)
         assert torch.equal(keys[-1], case["k"][b, 0]) and torch.equal(values[-1], case["v"][b, 0])
-        expected = reference.attend_one(case["q"][b], keys, values, softmax_scale=0.125)
+        expected = reference.attend_one(case["q"][b], keys, values, options=AttentionOptions(softmax_scale=0.125))
         torch.testing.assert_close(out[b], expected, atol=1e-5, rtol=1e-5)
     assert not torch.equal(pages["k_cache"], case["k_cache"])  # the new tokens were written in place
 
@@ -109,11 +110,11 @@ def test_unavailable_or_unsupported_calls_fall_back(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(cpu_native, "library", lambda: None)
     assert _native(_case(3)) is None
     case = _case(3)
-    out = torch_backend.paged_decode_attention(*case.values(), softmax_scale=0.125)
+    out = torch_backend.paged_decode_attention(*case.values(), options=AttentionOptions(softmax_scale=0.125))
     b, n = 0, int(case["cache_seqlens"][0]) + 1
     keys = reference.gather_pages(case["k_cache"], case["block_table"][b], n)
     values = reference.gather_pages(case["v_cache"], case["block_table"][b], n)
-    expected = reference.attend_one(case["q"][b], keys, values, softmax_scale=0.125)
+    expected = reference.attend_one(case["q"][b], keys, values, options=AttentionOptions(softmax_scale=0.125))
     torch.testing.assert_close(out[b], expected, atol=1e-5, rtol=1e-5)
 
 
@@ -131,7 +132,7 @@ def test_no_compiler_warns_once_and_falls_back(
     assert sum("no-such-compiler-hf-paged" in r.getMessage() for r in caplog.records) == 1
     case = _case(4)
     assert _native(case) is None
-    out = torch_backend.paged_decode_attention(*case.values(), softmax_scale=0.125)
+    out = torch_backend.paged_decode_attention(*case.values(), options=AttentionOptions(softmax_scale=0.125))
     assert out.shape == case["q"].shape and torch.isfinite(out).all()
 
 

@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_paged_attn.kernels import cpu_native, reference
+from hf_paged_attn.kernels.base import AttentionOptions
 
 pytestmark = pytest.mark.skipif(
     shutil.which("cc") is None or cpu_native.library() is None, reason="no native kernels on this machine"
@@ -70,8 +71,9 @@ def _sinks(opts: dict, gen: torch.Generator) -> torch.Tensor | None:
 def _expected(q, k_cache, v_cache, table_row, keys: int, opts: dict, sinks, scale: float) -> torch.Tensor:  # noqa: ANN001
     k = reference.gather_pages(k_cache, table_row, keys).double()
     v = reference.gather_pages(v_cache, table_row, keys).double()
-    return reference.attend_one(q.double(), k, v, softmax_scale=scale, window_size=(opts["window_left"], -1),
-                                softcap=opts["softcap"], sinks=sinks)  # fmt: skip
+    return reference.attend_one(q.double(), k, v,
+                                options=AttentionOptions(softmax_scale=scale, window_size=(opts["window_left"], -1),
+                                                         softcap=opts["softcap"], sinks=sinks))  # fmt: skip
 
 
 def _assert_close(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
@@ -135,9 +137,10 @@ def test_prefill_matches_reference(shapes: list[tuple[int, int]], opts: dict, ca
         if not causal:
             k = reference.gather_pages(k_cache, table[r], k_lens[r]).double()
             v = reference.gather_pages(v_cache, table[r], k_lens[r]).double()
-            expected = reference.attend_one(q[q0:q1].double(), k, v, softmax_scale=scale, causal=False,
-                                            window_size=(opts["window_left"], -1), softcap=opts["softcap"],
-                                            sinks=sinks)  # fmt: skip
+            expected = reference.attend_one(q[q0:q1].double(), k, v,
+                                            options=AttentionOptions(softmax_scale=scale, causal=False,
+                                                                     window_size=(opts["window_left"], -1),
+                                                                     softcap=opts["softcap"], sinks=sinks))  # fmt: skip
         _assert_close(out[q0:q1], expected, opts["dtype"])
 
 

@@ -18,6 +18,7 @@ import torch
 from hf_paged_attn import PagedConfig
 from hf_paged_attn.kernels import BACKENDS, reference, resolve_kernel
 from hf_paged_attn.kernels import flash_backend as fb
+from hf_paged_attn.kernels.base import AttentionOptions
 from hf_paged_attn.runtime.config import page_head_dim
 from hf_paged_attn_tools.testing import shuffled_block_table
 from tests.kernels.fake_flash_attn import FakeFlashAttn, readable_keys
@@ -51,7 +52,8 @@ def test_decode_appends_and_attends(fake: FakeFlashAttn) -> None:
     seqlens = torch.tensor(lens)  # int64 on purpose
     table_before = table.clone()
     out = fb.paged_decode_attention(
-        q, k_cache, v_cache, k_new, v_new, seqlens, table, softmax_scale=SCALE, window_size=(100, 0)
+        q, k_cache, v_cache, k_new, v_new, seqlens, table,
+        options=AttentionOptions(softmax_scale=SCALE, window_size=(100, 0))
     )
     (kind, args), = fake.calls  # fmt: skip
     assert kind == "kvcache"
@@ -66,7 +68,8 @@ def test_decode_appends_and_attends(fake: FakeFlashAttn) -> None:
         keys = reference.gather_pages(k_cache, table[b], n + 1)
         assert torch.equal(keys[-1], k_new[b, 0]), "new token not appended at cache_seqlens[b]"
         values = reference.gather_pages(v_cache, table[b], n + 1)
-        ref = reference.attend_one(q[b], keys, values, softmax_scale=SCALE, window_size=(100, 0))
+        ref = reference.attend_one(q[b], keys, values,
+                                   options=AttentionOptions(softmax_scale=SCALE, window_size=(100, 0)))
         assert torch.equal(out[b], ref)
 
 
@@ -74,14 +77,16 @@ def test_decode_without_new_kv_attends_cache_seqlens_keys(fake: FakeFlashAttn) -
     k_cache, v_cache, table, gen = paged_case([11, 4])
     q = torch.randn(2, 1, 2, 16, generator=gen).bfloat16()
     seqlens = torch.tensor([11, 4], dtype=torch.int32)  # every key, the new token included
-    out = fb.paged_decode_attention(q, k_cache, v_cache, None, None, seqlens, table, softmax_scale=SCALE)
+    out = fb.paged_decode_attention(q, k_cache, v_cache, None, None, seqlens, table,
+                                    options=AttentionOptions(softmax_scale=SCALE))
     (_, args), = fake.calls  # fmt: skip
     assert args["k"] is None and args["v"] is None
     assert args["cache_seqlens"].tolist() == [11, 4]
     for b, n in enumerate([11, 4]):
         keys = reference.gather_pages(k_cache, table[b], n)
         values = reference.gather_pages(v_cache, table[b], n)
-        assert torch.equal(out[b], reference.attend_one(q[b], keys, values, softmax_scale=SCALE))
+        assert torch.equal(out[b], reference.attend_one(q[b], keys, values,
+                                                        options=AttentionOptions(softmax_scale=SCALE)))
 
 
 def test_paged_prefill_uses_the_block_table(fake: FakeFlashAttn) -> None:
@@ -90,7 +95,8 @@ def test_paged_prefill_uses_the_block_table(fake: FakeFlashAttn) -> None:
     cu_q = torch.tensor([0, 40, 60, 61], dtype=torch.int32)
     q = torch.randn(61, 4, 16, generator=gen).bfloat16()
     out = fb.paged_prefill_attention(
-        q, k_cache, v_cache, cu_q, torch.tensor(k_lens), table, 40, softmax_scale=SCALE, softcap=3.0
+        q, k_cache, v_cache, cu_q, torch.tensor(k_lens), table, 40,
+        options=AttentionOptions(softmax_scale=SCALE, softcap=3.0)
     )
     (kind, args), = fake.calls  # fmt: skip
     assert kind == "varlen" and args["k"] is k_cache and args["v"] is v_cache
@@ -101,7 +107,7 @@ def test_paged_prefill_uses_the_block_table(fake: FakeFlashAttn) -> None:
         keys = reference.gather_pages(k_cache, table[b], k_lens[b])
         values = reference.gather_pages(v_cache, table[b], k_lens[b])
         q_b = q[int(cu_q[b]) : int(cu_q[b + 1])]
-        ref = reference.attend_one(q_b, keys, values, softmax_scale=SCALE, softcap=3.0)
+        ref = reference.attend_one(q_b, keys, values, options=AttentionOptions(softmax_scale=SCALE, softcap=3.0))
         assert torch.equal(out[int(cu_q[b]) : int(cu_q[b + 1])], ref)
     assert q_lens == (cu_q[1:] - cu_q[:-1]).tolist()
 
@@ -112,10 +118,12 @@ def test_block_size_must_be_a_multiple_of_256(fake: FakeFlashAttn, block_size: i
     q = torch.zeros(1, 1, 1, 16, dtype=torch.bfloat16)
     seqlens, table = torch.zeros(1, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32)
     with pytest.raises(ValueError, match=f"block_size={block_size}"):
-        fb.paged_decode_attention(q, k_cache, k_cache.clone(), None, None, seqlens, table, softmax_scale=1.0)
+        fb.paged_decode_attention(q, k_cache, k_cache.clone(), None, None, seqlens, table,
+                                  options=AttentionOptions(softmax_scale=1.0))
     with pytest.raises(ValueError, match=f"block_size={block_size}"):
         fb.paged_prefill_attention(
-            q[0], k_cache, k_cache.clone(), torch.tensor([0, 1]), seqlens + 1, table, 1, softmax_scale=1.0
+            q[0], k_cache, k_cache.clone(), torch.tensor([0, 1]), seqlens + 1, table, 1,
+            options=AttentionOptions(softmax_scale=1.0)
         )
     assert not fake.calls
 
@@ -124,7 +132,8 @@ def test_block_size_must_be_a_multiple_of_256(fake: FakeFlashAttn, block_size: i
 def test_block_sizes_multiple_of_256_pass(fake: FakeFlashAttn, block_size: int) -> None:
     k_cache, v_cache, table, gen = paged_case([3], block_size=block_size, h_kv=1)
     q = torch.randn(1, 1, 1, 16, generator=gen).bfloat16()
-    fb.paged_decode_attention(q, k_cache, v_cache, None, None, torch.tensor([2]), table, softmax_scale=1.0)
+    fb.paged_decode_attention(q, k_cache, v_cache, None, None, torch.tensor([2]), table,
+                              options=AttentionOptions(softmax_scale=1.0))
     assert len(fake.calls) == 1
 
 
@@ -135,11 +144,12 @@ def test_sinks_are_not_supported(fake: FakeFlashAttn) -> None:
     seqlens = torch.tensor([2], dtype=torch.int32)
     with pytest.raises(NotImplementedError, match="sinks"):
         fb.paged_decode_attention(
-            q, k_cache, v_cache, None, None, seqlens, table, softmax_scale=1.0, sinks=sinks
+            q, k_cache, v_cache, None, None, seqlens, table, options=AttentionOptions(softmax_scale=1.0, sinks=sinks)
         )
     with pytest.raises(NotImplementedError, match="sinks"):
         fb.paged_prefill_attention(
-            q[0], k_cache, v_cache, torch.tensor([0, 1]), seqlens + 1, table, 1, softmax_scale=1.0, sinks=sinks
+            q[0], k_cache, v_cache, torch.tensor([0, 1]), seqlens + 1, table, 1,
+            options=AttentionOptions(softmax_scale=1.0, sinks=sinks)
         )
     assert not fake.calls
 
@@ -149,7 +159,8 @@ def test_fp32_is_not_supported(fake: FakeFlashAttn) -> None:
     q = torch.zeros(1, 2, 16)
     with pytest.raises(NotImplementedError, match="float32"):
         fb.paged_prefill_attention(
-            q, k_cache.float(), v_cache.float(), torch.tensor([0, 1]), torch.tensor([3]), table, 1, softmax_scale=1.0
+            q, k_cache.float(), v_cache.float(), torch.tensor([0, 1]), torch.tensor([3]), table, 1,
+            options=AttentionOptions(softmax_scale=1.0)
         )
 
 
@@ -189,7 +200,8 @@ def test_the_stand_in_reads_no_key_past_max_seqlen_k(fake: FakeFlashAttn) -> Non
     assert torch.equal(out, torch.zeros_like(q)), "every row's window (from key 617) lies past key 256"
     full = fake.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 20, 700, block_table=table, **options)
     keys, values = (reference.gather_pages(c, table[0], 700) for c in (k_cache, v_cache))
-    assert torch.equal(full, reference.attend_one(q, keys, values, softmax_scale=SCALE, window_size=(63, 0)))
+    assert torch.equal(full, reference.attend_one(q, keys, values,
+                                                  options=AttentionOptions(softmax_scale=SCALE, window_size=(63, 0))))
 
 
 def test_prefill_reads_every_key_whatever_max_seqlen_k_the_caller_gives(fake: FakeFlashAttn) -> None:
@@ -201,16 +213,17 @@ def test_prefill_reads_every_key_whatever_max_seqlen_k_the_caller_gives(fake: Fa
     q = torch.randn(43, 4, 16, generator=gen).bfloat16()
     window = (63, 63)
     out = fb.paged_prefill_attention(
-        q, k_cache, v_cache, cu_q, torch.tensor(k_lens), table, 40, 64 + 40 - 1, softmax_scale=SCALE,
-        window_size=window,
+        q, k_cache, v_cache, cu_q, torch.tensor(k_lens), table, 40, 64 + 40 - 1,
+        options=AttentionOptions(softmax_scale=SCALE, window_size=window),
     )  # fmt: skip
     (_, args), = fake.calls  # fmt: skip
     assert args["max_seqlen_k"] == table.shape[1] * 256 >= max(k_lens)
     for b in range(3):
         keys, values = (reference.gather_pages(c, table[b], k_lens[b]) for c in (k_cache, v_cache))
         rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
-        assert torch.equal(out[rows], reference.attend_one(q[rows], keys, values, softmax_scale=SCALE,
-                                                           window_size=window))  # fmt: skip
+        assert torch.equal(out[rows], reference.attend_one(q[rows], keys, values,
+                                                           options=AttentionOptions(softmax_scale=SCALE,
+                                                                                    window_size=window)))  # fmt: skip
     assert q_lens == cu_q.diff().tolist()
 
 
@@ -223,13 +236,15 @@ def test_prefill_with_at_most_one_query_per_request(fake: FakeFlashAttn, q_lens:
     k_cache, v_cache, table, gen = paged_case(k_lens)
     cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     q = torch.randn(sum(q_lens), 4, 16, generator=gen).bfloat16()  # 4 query heads over 2 KV heads
-    out = fb.paged_prefill_attention(q, k_cache, v_cache, cu_q, torch.tensor(k_lens), table, 1, softmax_scale=SCALE)
+    out = fb.paged_prefill_attention(q, k_cache, v_cache, cu_q, torch.tensor(k_lens), table, 1,
+                                     options=AttentionOptions(softmax_scale=SCALE))
     (_, args), = fake.calls  # fmt: skip
     assert args["max_seqlen_q"] == (1 if sum(q_lens) == len(q_lens) else 2)
     for b in range(3):
         keys, values = (reference.gather_pages(c, table[b], k_lens[b]) for c in (k_cache, v_cache))
         rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
-        assert torch.equal(out[rows], reference.attend_one(q[rows], keys, values, softmax_scale=SCALE))
+        assert torch.equal(out[rows], reference.attend_one(q[rows], keys, values,
+                                                           options=AttentionOptions(softmax_scale=SCALE)))
 
 
 def test_the_stand_in_refuses_one_query_per_request_with_a_request_short(fake: FakeFlashAttn) -> None:
@@ -248,9 +263,11 @@ def test_head_dims_flash_attn_refuses_are_refused(fake: FakeFlashAttn, head_dim:
     q = torch.randn(1, 1, 2, head_dim, generator=gen).bfloat16()
     seqlens = torch.tensor([3], dtype=torch.int32)
     with pytest.raises(NotImplementedError, match=f"got {head_dim}"):
-        fb.paged_decode_attention(q, k_cache, v_cache, None, None, seqlens, table, softmax_scale=SCALE)
+        fb.paged_decode_attention(q, k_cache, v_cache, None, None, seqlens, table,
+                                  options=AttentionOptions(softmax_scale=SCALE))
     with pytest.raises(NotImplementedError, match=f"got {head_dim}"):
-        fb.paged_prefill_attention(q[0], k_cache, v_cache, torch.tensor([0, 1]), seqlens, table, 1, softmax_scale=SCALE)
+        fb.paged_prefill_attention(q[0], k_cache, v_cache, torch.tensor([0, 1]), seqlens, table, 1,
+                                   options=AttentionOptions(softmax_scale=SCALE))
     assert not fake.calls
     with pytest.raises(RuntimeError, match="head"):  # the stand-in refuses them too
         fake.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hf_paged_attn.kernels import cpu_native, reference, torch_backend
+from hf_paged_attn.kernels.base import AttentionOptions
 from hf_paged_attn.kernels.kv_dtype import to_pages
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
@@ -111,8 +112,8 @@ def test_decode_matches_reference(dtype: torch.dtype, native: bool, append: bool
         for b, n in enumerate(lens):
             k_cache[table[b, n // block_size].long(), n % block_size] = 100.0
     sinks = torch.randn(h_kv * group, generator=gen) if opts.get("sinks") else None
-    kw = {"softmax_scale": d**-0.5, "window_size": opts.get("window_size", (-1, -1)),
-          "softcap": opts.get("softcap", 0.0), "sinks": sinks}  # fmt: skip
+    kw = {"options": AttentionOptions(softmax_scale=d**-0.5, window_size=opts.get("window_size", (-1, -1)),
+                                      softcap=opts.get("softcap", 0.0), sinks=sinks)}  # fmt: skip
     seqlens = torch.tensor(lens, dtype=torch.int32)
     with native_kernel(native):
         out = torch_backend.paged_decode_attention(q, k_cache, v_cache, k_new, v_new, seqlens, table, **kw)
@@ -123,7 +124,7 @@ def test_decode_matches_reference(dtype: torch.dtype, native: bool, append: bool
         exact = reference.attend_one(q[b], ks[b], vs[b], **kw).double()  # [1, H, D]
         error = (out[b].double() - exact).abs().amax(dim=(0, 2))  # [H]
         if n:
-            assert (error <= rounding_bound(q[b], ks[b], vs[b], kw["softmax_scale"], dtype)).all()
+            assert (error <= rounding_bound(q[b], ks[b], vs[b], kw["options"].softmax_scale, dtype)).all()
 
 
 @pytest.mark.parametrize("dtype", FP8)
@@ -141,15 +142,18 @@ def test_prefill_matches_reference(dtype: torch.dtype, native: bool, model_dtype
     seqused = torch.tensor([k for _, k in shapes], dtype=torch.int32)
     scale = d**-0.5
     with native_kernel(native):
-        out = torch_backend.paged_prefill_attention(q, k_cache, v_cache, cu_q, seqused, table, softmax_scale=scale)
+        out = torch_backend.paged_prefill_attention(q, k_cache, v_cache, cu_q, seqused, table,
+                                                    options=AttentionOptions(softmax_scale=scale))
     assert out.dtype == model_dtype
     tol = TOL if model_dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}  # bf16 output rounding
     for b, (n_q, n_k) in enumerate(shapes):
         rows, q_b = out[int(cu_q[b]) : int(cu_q[b + 1])], q[int(cu_q[b]) : int(cu_q[b + 1])].float()
         k8, v8 = stored(k_cache, table[b], n_k), stored(v_cache, table[b], n_k)
-        torch.testing.assert_close(rows.float(), reference.attend_one(q_b, k8, v8, softmax_scale=scale), **tol)
+        expected = reference.attend_one(q_b, k8, v8, options=AttentionOptions(softmax_scale=scale))
+        torch.testing.assert_close(rows.float(), expected, **tol)
         if n_q and model_dtype == torch.float32:
-            exact = reference.attend_one(q_b, ks[b], vs[b], softmax_scale=scale).double()  # [n_q, H, D]
+            exact = reference.attend_one(q_b, ks[b], vs[b],
+                                         options=AttentionOptions(softmax_scale=scale)).double()  # [n_q, H, D]
             error = (rows.double() - exact).abs().amax(dim=(0, 2))  # [H]
             assert (error <= rounding_bound(q_b, ks[b], vs[b], scale, dtype)).all()
 

@@ -5,10 +5,13 @@ checks per case, as for fp8 (``test_fp8_pages.py``): against the float64 referen
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from hf_paged_attn.kernels import reference, torch_backend
+from hf_paged_attn.kernels.base import AttentionOptions
 from hf_paged_attn.kernels.kv_dtype import SCALE_DTYPE, dequantize_int8, quantize_int8
 
 TOL = {"atol": 2e-5, "rtol": 2e-5}
@@ -81,17 +84,18 @@ def test_decode_matches_reference(append: bool, opts: dict) -> None:
             k_cache[table[b, n // block_size].long(), n % block_size] = 100
             scales["k_scales"][table[b, n // block_size].long(), n % block_size] = 9.0
     sinks = torch.randn(h_kv * group, generator=gen) if opts.get("sinks") else None
-    kw = {"softmax_scale": d**-0.5, "window_size": opts.get("window_size", (-1, -1)),
-          "softcap": opts.get("softcap", 0.0), "sinks": sinks}  # fmt: skip
+    kw = {"options": AttentionOptions(softmax_scale=d**-0.5, window_size=opts.get("window_size", (-1, -1)),
+                                      softcap=opts.get("softcap", 0.0), sinks=sinks)}  # fmt: skip
     seqlens = torch.tensor(lens, dtype=torch.int32)
-    out = torch_backend.paged_decode_attention(q, k_cache, v_cache, k_new, v_new, seqlens, table, **kw, **scales)
+    with_scales = dataclasses.replace(kw["options"], **scales)  # the pages' scales, besides the layer's options
+    out = torch_backend.paged_decode_attention(q, k_cache, v_cache, k_new, v_new, seqlens, table, options=with_scales)
     for b, n in enumerate(total):
         k8, v8 = stored(k_cache, scales["k_scales"], table[b], n), stored(v_cache, scales["v_scales"], table[b], n)
         torch.testing.assert_close(out[b], reference.attend_one(q[b], k8, v8, **kw), **TOL)
         if n:
             exact = reference.attend_one(q[b], ks[b], vs[b], **kw).double()  # [1, H, D]
             error = (out[b].double() - exact).abs().amax(dim=(0, 2))  # [H]
-            assert (error <= rounding_bound(q[b], ks[b], vs[b], kw["softmax_scale"])).all()
+            assert (error <= rounding_bound(q[b], ks[b], vs[b], kw["options"].softmax_scale)).all()
             assert error.max() > 0  # rounded: the check can fail
 
 
@@ -107,16 +111,18 @@ def test_prefill_matches_reference(model_dtype: torch.dtype) -> None:
     cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     seqused = torch.tensor([k for _, k in shapes], dtype=torch.int32)
     scale = d**-0.5
-    out = torch_backend.paged_prefill_attention(q, k_cache, v_cache, cu_q, seqused, table, softmax_scale=scale,
-                                                **scales)  # fmt: skip
+    out = torch_backend.paged_prefill_attention(q, k_cache, v_cache, cu_q, seqused, table,
+                                                options=AttentionOptions(softmax_scale=scale, **scales))  # fmt: skip
     assert out.dtype == model_dtype
     tol = TOL if model_dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}  # bf16 output rounding
     for b, (n_q, n_k) in enumerate(shapes):
         rows, q_b = out[int(cu_q[b]) : int(cu_q[b + 1])], q[int(cu_q[b]) : int(cu_q[b + 1])].float()
         k8, v8 = stored(k_cache, scales["k_scales"], table[b], n_k), stored(v_cache, scales["v_scales"], table[b], n_k)
-        torch.testing.assert_close(rows.float(), reference.attend_one(q_b, k8, v8, softmax_scale=scale), **tol)
+        expected = reference.attend_one(q_b, k8, v8, options=AttentionOptions(softmax_scale=scale))
+        torch.testing.assert_close(rows.float(), expected, **tol)
         if n_q and model_dtype == torch.float32:
-            exact = reference.attend_one(q_b, ks[b], vs[b], softmax_scale=scale).double()  # [n_q, H, D]
+            exact = reference.attend_one(q_b, ks[b], vs[b],
+                                         options=AttentionOptions(softmax_scale=scale)).double()  # [n_q, H, D]
             error = (rows.double() - exact).abs().amax(dim=(0, 2))  # [H]
             assert (error <= rounding_bound(q_b, ks[b], vs[b], scale)).all()
 

@@ -19,6 +19,7 @@ import torch  # noqa: E402
 
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig  # noqa: E402
 from hf_paged_attn.kernels import BACKENDS, flash_backend, reference  # noqa: E402
+from hf_paged_attn.kernels.base import AttentionOptions  # noqa: E402
 from hf_paged_attn_tools.testing import load_pair, save_random_model, shuffled_block_table  # noqa: E402
 from hf_paged_attn_tools.tiny_configs import tiny_config  # noqa: E402
 from tests.kernels.fake_flash_attn import FakeFlashAttn  # noqa: E402
@@ -67,15 +68,15 @@ def test_prefill_with_the_tightest_key_bound(backend) -> None:
     k_cache, v_cache, table = pages(k_lens, dtype, gen)
     cu_q = torch.tensor([0, 40, 41, 44], dtype=torch.int32)
     q = torch.randn(44, 4, 16, generator=gen).to(dtype)
-    options = dict(softmax_scale=0.3, window_size=(WINDOW - 1, WINDOW - 1), softcap=2.5)
+    options = AttentionOptions(softmax_scale=0.3, window_size=(WINDOW - 1, WINDOW - 1), softcap=2.5)
     out = backend.paged_prefill_attention(
         q, k_cache, v_cache, cu_q, torch.tensor(k_lens, dtype=torch.int32), table, max(q_lens), max(k_lens),
-        **options,
+        options=options,
     )  # fmt: skip
     for b, (q0, q1) in enumerate(zip(cu_q[:-1].tolist(), cu_q[1:].tolist())):
         keys = reference.gather_pages(k_cache, table[b], k_lens[b])
         values = reference.gather_pages(v_cache, table[b], k_lens[b])
-        assert_matches(out[q0:q1], reference.attend_one(q[q0:q1], keys, values, **options), name)
+        assert_matches(out[q0:q1], reference.attend_one(q[q0:q1], keys, values, options=options), name)
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS), indirect=True)
@@ -86,14 +87,16 @@ def test_decode_with_the_tightest_key_bound(backend) -> None:
     k_cache, v_cache, table = pages([n + 1 for n in cached], dtype, gen)
     q = torch.randn(2, 1, 4, 16, generator=gen).to(dtype)
     k_new, v_new = (torch.randn(2, 1, 2, 16, generator=gen).to(dtype) for _ in range(2))
-    options = dict(softmax_scale=0.3, window_size=(WINDOW - 1, WINDOW - 1), softcap=2.5)
+    options = AttentionOptions(softmax_scale=0.3, window_size=(WINDOW - 1, WINDOW - 1), softcap=2.5)
     seqlens = torch.tensor(cached, dtype=torch.int32)
-    out = backend.paged_decode_attention(q, k_cache, v_cache, k_new, v_new, seqlens, table, max(cached) + 1, **options)
+    out = backend.paged_decode_attention(
+        q, k_cache, v_cache, k_new, v_new, seqlens, table, max(cached) + 1, options=options
+    )
     for b, n in enumerate(cached):
         keys = reference.gather_pages(k_cache, table[b], n + 1)
         values = reference.gather_pages(v_cache, table[b], n + 1)
         assert torch.equal(keys[-1], k_new[b, 0]), "the new key was not appended at cache_seqlens[b]"
-        assert_matches(out[b], reference.attend_one(q[b], keys, values, **options), name)
+        assert_matches(out[b], reference.attend_one(q[b], keys, values, options=options), name)
 
 
 def test_the_attention_function_passes_a_bound_of_every_request_keys(tmp_path, monkeypatch) -> None:
@@ -107,12 +110,12 @@ def test_the_attention_function_passes_a_bound_of_every_request_keys(tmp_path, m
     seen = []
 
     def prefill(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, **kw):
-        seen.append((max_seqlen_k, int(seqused_k.max()), kw["window_size"]))
+        seen.append((max_seqlen_k, int(seqused_k.max()), kw["options"].window_size))
         return original_prefill(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q,
                                 max_seqlen_k, **kw)  # fmt: skip
 
     def decode(q, k_cache, v_cache, k, v, cache_seqlens, block_table, max_seqlen_k, **kw):
-        seen.append((max_seqlen_k, int(cache_seqlens.max()) + (k is not None), kw["window_size"]))
+        seen.append((max_seqlen_k, int(cache_seqlens.max()) + (k is not None), kw["options"].window_size))
         return original_decode(q, k_cache, v_cache, k, v, cache_seqlens, block_table, max_seqlen_k, **kw)
 
     original_prefill, original_decode = torch_backend.paged_prefill_attention, torch_backend.paged_decode_attention

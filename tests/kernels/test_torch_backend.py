@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from hf_paged_attn.core.blocks import blocks_for
 from hf_paged_attn.kernels import cpu_native, reference, torch_backend
+from hf_paged_attn.kernels.base import AttentionOptions
 from hf_paged_attn.kernels.torch_backend import decode as torch_decode
 from hf_paged_attn.kernels.torch_backend import dense as torch_dense
 
@@ -73,13 +74,14 @@ def _randn(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32
 
 def _kwargs(opts: dict, num_heads: int, gen: torch.Generator) -> dict:
     sinks = _randn(gen, num_heads) * 2 if opts["sinks"] else None
-    return {
-        "softmax_scale": 1 / math.sqrt(opts["head_dim"]),
-        "causal": opts["causal"],
-        "window_size": opts["window_size"],
-        "softcap": opts["softcap"],
-        "sinks": sinks,
-    }
+    options = AttentionOptions(
+        softmax_scale=1 / math.sqrt(opts["head_dim"]),
+        causal=opts["causal"],
+        window_size=opts["window_size"],
+        softcap=opts["softcap"],
+        sinks=sinks,
+    )
+    return {"options": options}
 
 
 def _cu(lens: list[int]) -> torch.Tensor:
@@ -248,12 +250,12 @@ def _worked_example() -> None:
     q, k_new, v_new = _randn(gen, 3, 1, h, d), _randn(gen, 3, 1, h_kv, d), _randn(gen, 3, 1, h_kv, d)
     seqlens = torch.tensor(lens, dtype=torch.int32)
     out = torch_backend.paged_decode_attention(
-        q, k_cache, v_cache, k_new, v_new, seqlens, table, softmax_scale=d**-0.5
+        q, k_cache, v_cache, k_new, v_new, seqlens, table, options=AttentionOptions(softmax_scale=d**-0.5)
     )  # [3, 1, H, D]
     for b in range(3):
         k_full = torch.cat([ks[b], k_new[b]])  # [lens[b] + 1, H_kv, D], stored contiguously
         v_full = torch.cat([vs[b], v_new[b]])
-        expected = reference.attend_one(q[b], k_full, v_full, softmax_scale=d**-0.5)
+        expected = reference.attend_one(q[b], k_full, v_full, options=AttentionOptions(softmax_scale=d**-0.5))
         torch.testing.assert_close(out[b], expected, **TOL)
     # request 0 -> block 2 slot 30; 1 -> position 32, its second block (1), slot 0; 2 -> block 6 slot 6
     for b, (blk, slot) in enumerate([(2, 30), (1, 0), (6, 6)]):
@@ -280,7 +282,8 @@ def _writes_only_new_slots() -> None:
     for b, (blk, slot) in enumerate([(2, 1), (11, 3), (4, 0)]):
         expected_k[blk, slot], expected_v[blk, slot] = k_new[b, 0], v_new[b, 0]
     q = _randn(gen, 3, 1, 4, d)
-    torch_backend.paged_decode_attention(q, k_cache, v_cache, k_new, v_new, lens, table, softmax_scale=0.1)
+    torch_backend.paged_decode_attention(q, k_cache, v_cache, k_new, v_new, lens, table,
+                                         options=AttentionOptions(softmax_scale=0.1))
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
 
 
@@ -534,15 +537,18 @@ def test_paged_prefill_sends_large_requests_to_sdpa_with_portable_kernels(
     q = _randn(gen, q_len, h, d)  # [total_q, H, D]
     cu_q, seqused, memo = _cu([q_len]), torch.tensor([k_len], dtype=torch.int32), {}
     for _ in range(2):  # two layers of one step
-        out = torch_backend.paged_prefill_attention(q, k_cache, v_cache, cu_q, seqused, table, softmax_scale=d**-0.5,
+        out = torch_backend.paged_prefill_attention(q, k_cache, v_cache, cu_q, seqused, table,
+                                                    options=AttentionOptions(softmax_scale=d**-0.5),
                                                     memo=memo)  # fmt: skip
     assert len(calls) == native_calls
-    expected = reference.varlen_reference(q, torch.cat(ks), torch.cat(vs), cu_q, _cu([k_len]), softmax_scale=d**-0.5)
+    expected = reference.varlen_reference(q, torch.cat(ks), torch.cat(vs), cu_q, _cu([k_len]),
+                                          options=AttentionOptions(softmax_scale=d**-0.5))
     torch.testing.assert_close(out, expected, **TOL)
     # a window of 128 keys: the rule is asked about the keys the chunk sees, at most q_len + 128 of them
     asked = []
     rule = cpu_native.sdpa_prefill_wins
     monkeypatch.setattr(cpu_native, "sdpa_prefill_wins", lambda q, k: asked.append(k) or rule(q, k))
-    torch_backend.paged_prefill_attention(q, k_cache, v_cache, cu_q, seqused, table, softmax_scale=d**-0.5,
-                                          window_size=(128, 0), memo={})  # fmt: skip
+    torch_backend.paged_prefill_attention(q, k_cache, v_cache, cu_q, seqused, table,
+                                          options=AttentionOptions(softmax_scale=d**-0.5,
+                                                                   window_size=(128, 0)), memo={})  # fmt: skip
     assert asked == [[min(k_len, q_len + 128)]]

@@ -27,6 +27,7 @@ from hypothesis import strategies as st  # noqa: E402
 from hf_paged_attn.core.blocks import blocks_for  # noqa: E402
 from hf_paged_attn.kernels import reference  # noqa: E402
 from hf_paged_attn.kernels import triton_ops as tb  # noqa: E402
+from hf_paged_attn.kernels.base import AttentionOptions  # noqa: E402
 
 if not isinstance(tb._decode_kernel, triton.runtime.interpreter.InterpretedFunction):
     # Another test imported the backend before TRITON_INTERPRET was set: rebuild it interpreted.
@@ -171,14 +172,14 @@ def check_decode(case: dict) -> None:
     scale = d**-0.5
     out = tb.paged_decode_attention(
         q, k_cache, v_cache, k_new if case["write_new"] else None, v_new if case["write_new"] else None,
-        seqlens, table, softmax_scale=scale, num_splits=case["num_splits"], **case["opts"],
+        seqlens, table, options=AttentionOptions(softmax_scale=scale, **case["opts"]), num_splits=case["num_splits"],
     )  # fmt: skip
     assert out.shape == q.shape and out.dtype == dtype
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v), "pages written wrongly"
     for b, n in enumerate(lens):
         keys = reference.gather_pages(k_cache, table[b], n + 1)  # [n + 1, H_kv, D]
         values = reference.gather_pages(v_cache, table[b], n + 1)
-        ref = reference.attend_one(q[b], keys, values, softmax_scale=scale, **case["opts"])
+        ref = reference.attend_one(q[b], keys, values, options=AttentionOptions(softmax_scale=scale, **case["opts"]))
         assert_close(out[b], ref, tol, f"decode request {b} (len {n})")
 
 
@@ -202,9 +203,10 @@ def check_prefill(case: dict) -> None:
     tb.write_kv(k_all, v_all, k_cache, v_cache, slots)
     out = tb.paged_prefill_attention(
         q, k_cache, v_cache, cu_q, torch.tensor(k_lens, dtype=torch.int32), table, max(q_lens),
-        softmax_scale=scale, **case["opts"],
+        options=AttentionOptions(softmax_scale=scale, **case["opts"]),
     )  # fmt: skip
-    ref = reference.varlen_reference(q, k_all, v_all, cu_q, cu_k, softmax_scale=scale, **case["opts"])
+    ref = reference.varlen_reference(q, k_all, v_all, cu_q, cu_k,
+                                     options=AttentionOptions(softmax_scale=scale, **case["opts"]))
     assert out.shape == q.shape and out.dtype == dtype
     assert_close(out, ref, tol, f"paged prefill q_lens={q_lens} k_lens={k_lens}")
 
@@ -236,10 +238,12 @@ def test_queries_past_their_keys_output_zeros() -> None:
     tb.write_kv(k, v, k_cache, v_cache, torch.tensor([0, 1]))
     table = torch.zeros(1, 1, dtype=torch.int32)
     out = tb.paged_prefill_attention(
-        q, k_cache, v_cache, cumulative([5]), torch.tensor([2], dtype=torch.int32), table, 5, softmax_scale=0.25
+        q, k_cache, v_cache, cumulative([5]), torch.tensor([2], dtype=torch.int32), table, 5,
+        options=AttentionOptions(softmax_scale=0.25)
     )
     assert torch.equal(out[:3], torch.zeros_like(out[:3]))
-    ref = reference.varlen_reference(q, k, v, cumulative([5]), cumulative([2]), softmax_scale=0.25)
+    ref = reference.varlen_reference(q, k, v, cumulative([5]), cumulative([2]),
+                                     options=AttentionOptions(softmax_scale=0.25))
     assert_close(out, ref, FP32_TOL, "q_len > k_len")
 
 
@@ -276,7 +280,7 @@ def _decode_with_append(lens, block_size, num_splits, *, unallocated=(), num_kv_
             expected_v[table[b, n // bs], n % bs] = v_new[b, 0]
     out = tb.paged_decode_attention(
         q, k_cache, v_cache, k_new, v_new, torch.tensor(lens, dtype=torch.int32), table,
-        softmax_scale=d**-0.5, num_splits=num_splits,
+        options=AttentionOptions(softmax_scale=d**-0.5), num_splits=num_splits,
     )  # fmt: skip
     assert torch.equal(k_cache, expected_k), "K pages other than the new slots changed"
     assert torch.equal(v_cache, expected_v), "V pages other than the new slots changed"
@@ -285,7 +289,7 @@ def _decode_with_append(lens, block_size, num_splits, *, unallocated=(), num_kv_
         row[row < 0] = 0  # an unallocated block's key comes from k_new below, never from the pages
         keys = torch.cat([reference.gather_pages(expected_k, row, n), k_new[b]])  # [n + 1, H_kv, D]
         values = torch.cat([reference.gather_pages(expected_v, row, n), v_new[b]])
-        ref = reference.attend_one(q[b], keys, values, softmax_scale=d**-0.5)
+        ref = reference.attend_one(q[b], keys, values, options=AttentionOptions(softmax_scale=d**-0.5))
         assert_close(out[b], ref, FP32_TOL, f"decode request {b} (len {n}, splits {num_splits})")
 
 
@@ -382,7 +386,8 @@ def test_block_size_must_be_a_power_of_two_from_16(block_size: int) -> None:
     with pytest.raises(ValueError, match=f"block_size={block_size}"):
         tb.paged_decode_attention(
             torch.zeros(1, 1, 1, 16), k_cache, k_cache.clone(), None, None,
-            torch.zeros(1, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32), softmax_scale=1.0,
+            torch.zeros(1, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32),
+            options=AttentionOptions(softmax_scale=1.0),
         )  # fmt: skip
 
 

@@ -16,6 +16,7 @@ import triton  # noqa: E402
 
 from hf_paged_attn.kernels import reference, torch_backend  # noqa: E402
 from hf_paged_attn.kernels import triton_ops as tb  # noqa: E402
+from hf_paged_attn.kernels.base import AttentionOptions  # noqa: E402
 
 if not isinstance(tb._decode_kernel, triton.runtime.interpreter.InterpretedFunction):
     tb = importlib.reload(tb)
@@ -60,7 +61,7 @@ def test_decode_reads_fp8_pages(dtype: torch.dtype, append: bool, num_splits: in
     k_new = torch.randn(len(lens), 1, h_kv, d, generator=gen) if append else None
     v_new = torch.randn(len(lens), 1, h_kv, d, generator=gen) if append else None
     seqlens = torch.tensor(lens, dtype=torch.int32)
-    kw = {"softmax_scale": d**-0.5, "softcap": 0.0}
+    kw = {"options": AttentionOptions(softmax_scale=d**-0.5, softcap=0.0)}
     out = tb.paged_decode_attention(q, k_cache, v_cache, k_new, v_new, seqlens, table, num_splits=num_splits, **kw)
     for b, n in enumerate(lens):
         total = n + append
@@ -81,12 +82,14 @@ def test_prefill_reads_fp8_pages(dtype: torch.dtype) -> None:
     q = torch.randn(sum(q_lens), h_kv * group, d, generator=gen)
     cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     seqused = torch.tensor([k for _, k in shapes], dtype=torch.int32)
-    out = tb.paged_prefill_attention(q, k_cache, v_cache, cu_q, seqused, table, softmax_scale=d**-0.5)
+    out = tb.paged_prefill_attention(q, k_cache, v_cache, cu_q, seqused, table,
+                                     options=AttentionOptions(softmax_scale=d**-0.5))
     for b, (_, n_k) in enumerate(shapes):
         rows, q_b = out[int(cu_q[b]) : int(cu_q[b + 1])], q[int(cu_q[b]) : int(cu_q[b + 1])]
         k8 = reference.gather_pages(k_cache.float(), table[b], n_k)
         v8 = reference.gather_pages(v_cache.float(), table[b], n_k)
-        torch.testing.assert_close(rows, reference.attend_one(q_b, k8, v8, softmax_scale=d**-0.5).float(), **TOL)
+        expected = reference.attend_one(q_b, k8, v8, options=AttentionOptions(softmax_scale=d**-0.5))
+        torch.testing.assert_close(rows, expected.float(), **TOL)
 
 
 def test_triton_is_offered_for_fp8_pages_only_where_it_compiles(monkeypatch) -> None:

@@ -26,6 +26,7 @@ import hf_paged_attn  # noqa: E402, F401  (registers "paged")
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig  # noqa: E402
 from hf_paged_attn.attention.step import build_step  # noqa: E402
 from hf_paged_attn.kernels import BACKENDS, cpu_native  # noqa: E402
+from hf_paged_attn.kernels.base import AttentionOptions  # noqa: E402
 from hf_paged_attn.kernels.torch_backend import TorchBackend  # noqa: E402
 from hf_paged_attn.kernels.triton_backend import TritonBackend  # noqa: E402
 from hf_paged_attn.runtime import launcher as launcher_module  # noqa: E402
@@ -65,16 +66,12 @@ class NativeDecode(TorchBackend):
         block_table: torch.Tensor,
         max_seqlen_k: int | None = None,
         *,
-        softmax_scale: float,
-        causal: bool = True,
-        window_size: tuple[int, int] = (-1, -1),
-        softcap: float = 0.0,
-        sinks: torch.Tensor | None = None,
+        options: AttentionOptions,
         memo: dict | None = None,
     ) -> torch.Tensor:
-        assert causal and max_seqlen_k is not None
-        out = cpu_native.paged_decode(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale,
-                                      window_size[0], softcap, sinks, max_seqlen_k)  # fmt: skip
+        assert options.causal and max_seqlen_k is not None
+        out = cpu_native.paged_decode(q, k_cache, v_cache, k, v, cache_seqlens, block_table, options.softmax_scale,
+                                      options.window_size[0], options.softcap, options.sinks, max_seqlen_k)  # fmt: skip
         assert out is not None, "the native decode kernel declined the call"
         return out
 

@@ -18,6 +18,7 @@ from hf_paged_attn.core.kv_manager import KVBlockManager
 from hf_paged_attn.core.request import Request
 from hf_paged_attn.core.scheduler import ScheduledRequest, Scheduler
 from hf_paged_attn.kernels import reference, torch_backend
+from hf_paged_attn.kernels.base import AttentionOptions
 from hf_paged_attn.runtime.speculative.adaptive import Acceptance, allocate
 from hf_paged_attn.runtime.speculative.config import SpeculativeConfig
 from hf_paged_attn.runtime.speculative.ngram import NgramIndex
@@ -322,10 +323,10 @@ def test_torch_backend_attends_verification_rows_in_place(window, softcap):
     q = torch.randn(sum(q_lens), h, d, generator=gen)
     cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32)
-    options = dict(softmax_scale=0.25, causal=True, window_size=window, softcap=softcap, sinks=None)
+    options = AttentionOptions(softmax_scale=0.25, causal=True, window_size=window, softcap=softcap, sinks=None)
     out = torch_backend.paged_prefill_attention(
         q, k_cache, v_cache, cu_q, torch.tensor(k_lens, dtype=torch.int32), table, max(q_lens), max(k_lens),
-        **options, memo={},
+        options=options, memo={},
     )  # fmt: skip
-    expected = reference.varlen_reference(q, torch.cat(keys), torch.cat(values), cu_q, cu_k, **options)
+    expected = reference.varlen_reference(q, torch.cat(keys), torch.cat(values), cu_q, cu_k, options=options)
     torch.testing.assert_close(out, expected.to(out.dtype), atol=1e-5, rtol=1e-5)

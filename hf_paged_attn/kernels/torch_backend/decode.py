@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import cpu_native
+from ..base import AttentionOptions
 from ..kv_dtype import to_pages, writable, write_pages
 from .dense import explicit_attention, key_visibility
 from .prefill import paged_prefill_attention
@@ -418,14 +419,8 @@ def paged_decode_attention(
     block_table: torch.Tensor,
     max_seqlen_k: int | None = None,
     *,
-    softmax_scale: float,
-    causal: bool = True,
-    window_size: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    sinks: torch.Tensor | None = None,
+    options: AttentionOptions,
     memo: dict | None = None,
-    k_scales: torch.Tensor | None = None,
-    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One-token decode over a paged KV cache (flash-attn ``flash_attn_with_kvcache`` semantics).
 
@@ -436,16 +431,14 @@ def paged_decode_attention(
     (``kernels/base.py``): the layer-independent work (gather indices, masks, cascade groups) is done
     by the first layer and reused by the others, and the gather buffers are reused across layers and
     steps. Every call with one memo must pass the same ``cache_seqlens`` and ``block_table``.
-    ``k_scales``, ``v_scales``: int8 pages' scales [num_blocks, block_size, H_kv] (``kv_dtype.py``): the new
-    token is quantized in, then the step runs as a prefill of one query per request (``_decode_int8``).
-    Returns [B, 1, H, D] in q.dtype.
+    int8 pages (``options.k_scales``, ``v_scales``): the new token is quantized in, then the step runs as a
+    prefill of one query per request (``_decode_int8``). Returns [B, 1, H, D] in q.dtype.
     """
     appended = k is not None and v is not None
-    if k_scales is not None:
-        assert v_scales is not None
-        return _decode_int8(q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_scales, v_scales,
-                            softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-                            sinks=sinks, memo=memo)  # fmt: skip
+    if options.k_scales is not None:
+        return _decode_int8(q, k_cache, v_cache, k, v, cache_seqlens, block_table, options, memo)
+    softmax_scale, causal, window_size = options.softmax_scale, options.causal, options.window_size
+    softcap, sinks = options.softcap, options.sinks
     if q.device.type == "cpu":  # the native kernel reads the pages in place (cpu_native.py)
         max_len = max_seqlen_k if max_seqlen_k is not None else memo.get("max_len") if memo is not None else None
         if max_len is None:  # read back from the device once per forward
@@ -485,14 +478,15 @@ def _decode_int8(
     v: torch.Tensor | None,
     cache_seqlens: torch.Tensor,
     block_table: torch.Tensor,
-    k_scales: torch.Tensor,
-    v_scales: torch.Tensor,
-    **options,
+    options: AttentionOptions,
+    memo: dict | None,
 ) -> torch.Tensor:
     """Decode on int8 pages: the new K/V [B, 1, H_kv, D] (if any) quantized into their slots with their scales,
     then every request's keys gathered, dequantized and attended as a one-query prefill row (bottom-right
     causal: the query sees every key). Neither the native kernels nor the planner above read per-key scales.
     Returns [B, 1, H, D]."""
+    k_scales, v_scales = options.k_scales, options.v_scales
+    assert k_scales is not None and v_scales is not None
     if k is not None and v is not None:
         block_size = k_cache.shape[1]
         pos = cache_seqlens.long()  # [B]
@@ -503,5 +497,5 @@ def _decode_int8(
     b = q.shape[0]
     cu_q = torch.arange(b + 1, dtype=torch.int32, device=q.device)
     out = paged_prefill_attention(q[:, 0], k_cache, v_cache, cu_q, cache_seqlens.to(torch.int32), block_table, 1,
-                                  k_scales=k_scales, v_scales=v_scales, **options)  # fmt: skip
+                                  options=options, memo=memo)  # fmt: skip
     return out.unsqueeze(1)  # [B, 1, H, D]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import cpu_native
+from ..base import AttentionOptions
 from ..kv_dtype import dequantize_int8, write_pages
 from .varlen import varlen_attention
 
@@ -112,22 +113,17 @@ def paged_prefill_attention(
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
     *,
-    softmax_scale: float,
-    causal: bool = True,
-    window_size: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    sinks: torch.Tensor | None = None,
+    options: AttentionOptions,
     memo: dict | None = None,
-    k_scales: torch.Tensor | None = None,
-    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Packed queries against each request's first ``seqused_k[b]`` keys, read from the pages (the
     step's own K/V already written there). Semantics of ``varlen_attention`` (bottom-right causal);
     q [total_q, H, D], pages [num_blocks, block_size, H_kv, D], block_table int32 [B, W].
     ``max_seqlen_k`` is accepted for the protocol only. ``memo``: the forward's dict, as in
-    ``paged_decode_attention``. ``k_scales``, ``v_scales``: int8 pages' scales [num_blocks, block_size, H_kv]
-    (``kv_dtype.py``); the native kernels do not read int8 pages, so those are gathered and dequantized.
-    Returns [total_q, H, D] in q.dtype."""
+    ``paged_decode_attention``. int8 pages (``options.k_scales``, ``v_scales``): the native kernels do not read
+    them, so they are gathered and dequantized. Returns [total_q, H, D] in q.dtype."""
+    softmax_scale, causal, window_size = options.softmax_scale, options.causal, options.window_size
+    softcap, sinks, k_scales, v_scales = options.softcap, options.sinks, options.k_scales, options.v_scales
     int8 = k_scales is not None
     # The native kernel ignores the right side of a window, which only a non-causal call sees.
     native = not int8 and q.device.type == "cpu" and (causal or window_size[1] < 0)
@@ -170,7 +166,6 @@ def paged_prefill_attention(
         else:  # fp8 pages widened
             keys, values = keys.to(q.dtype), values.to(q.dtype)
         out[plan.rows] = varlen_attention(
-            q[plan.rows], keys, values, plan.cu_q, plan.cu_k, 0, 0, softmax_scale=softmax_scale, causal=causal,
-            window_size=window, softcap=softcap, sinks=sinks, memo=plan.memo,
-        )  # fmt: skip
+            q[plan.rows], keys, values, plan.cu_q, plan.cu_k, 0, 0, options=options, memo=plan.memo
+        )
     return out

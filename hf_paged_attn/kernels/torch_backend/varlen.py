@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..base import AttentionOptions
 from .dense import attend, key_visibility
 
 
@@ -86,11 +87,7 @@ def varlen_attention(
     max_seqlen_q: int,
     max_seqlen_k: int,
     *,
-    softmax_scale: float,
-    causal: bool = True,
-    window_size: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    sinks: torch.Tensor | None = None,
+    options: AttentionOptions,
     memo: dict | None = None,
 ) -> torch.Tensor:
     """Packed variable-length attention (flash-attn ``flash_attn_varlen_func`` semantics).
@@ -99,7 +96,10 @@ def varlen_attention(
     sinks [H] -> [total_q, H, D] in q.dtype. ``max_seqlen_*`` are accepted for API parity only.
     ``memo``: a dict that lives for one forward, as in ``paged_decode_attention`` (the bucketing, row
     indices and masks are made by the first layer); every call of a step passes the same cu_seqlens.
+    ``options.k_scales`` / ``v_scales`` are not read: k and v are plain tensors.
     """
+    causal, window_size, softmax_scale = options.causal, options.window_size, options.softmax_scale
+    softcap, sinks = options.softcap, options.sinks
     key = ("varlen", causal, tuple(window_size))
     plan = memo.get(key) if memo is not None else None
     if plan is None:

@@ -48,6 +48,8 @@ def measure(
 ) -> str:
     """Appends a figure per (batch, context) of ``shapes`` to ``parts``; returns how the kernel time
     was taken. ``dims``: K/V heads, query heads per K/V head, head dim, block size."""
+    from hf_paged_attn.kernels.base import AttentionOptions
+
     h_kv, group, d, bs = dims
     how = ""
     for batch, context in shapes:
@@ -56,7 +58,7 @@ def measure(
         def step(q: torch.Tensor = q, k_cache: torch.Tensor = k_cache, v_cache: torch.Tensor = v_cache,
                  seqlens: torch.Tensor = seqlens, table: torch.Tensor = table) -> torch.Tensor:  # fmt: skip
             return backend.paged_decode_attention(
-                q, k_cache, v_cache, None, None, seqlens, table, softmax_scale=d**-0.5
+                q, k_cache, v_cache, None, None, seqlens, table, options=AttentionOptions(softmax_scale=d**-0.5)
             )
 
         seconds, how = time_kernel(step, ctx.device, graph=graph_safe)

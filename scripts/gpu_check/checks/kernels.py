@@ -52,6 +52,7 @@ def option_sets(num_heads: int, gen: torch.Generator) -> list[tuple[str, dict]]:
 
 def decode_cases(setup: Setup, opts: dict, label: str) -> Iterator[tuple[str, Case]]:
     from hf_paged_attn.kernels import reference
+    from hf_paged_attn.kernels.base import AttentionOptions
 
     backend, dtype, device, gen = setup.backend, setup.dtype, setup.device, setup.gen
     h, h_kv, d, bs = setup.shape
@@ -71,11 +72,13 @@ def decode_cases(setup: Setup, opts: dict, label: str) -> Iterator[tuple[str, Ca
             kc, vc = k_cache.clone(), v_cache.clone()
             args = (q.to(device), kc, vc, k_new.to(device), v_new.to(device), seqlens.to(device), table)
             if splits is None:
-                out = backend.paged_decode_attention(*args, softmax_scale=scale, **dev_opts)
+                out = backend.paged_decode_attention(*args, options=AttentionOptions(softmax_scale=scale, **dev_opts))
             else:
                 from hf_paged_attn.kernels import triton_ops
 
-                out = triton_ops.paged_decode_attention(*args, softmax_scale=scale, **dev_opts, num_splits=splits)
+                out = triton_ops.paged_decode_attention(*args,
+                                                        options=AttentionOptions(softmax_scale=scale, **dev_opts),
+                                                        num_splits=splits)
             kc, vc, tab = kc.cpu(), vc.cpu(), table.cpu()
             ref = torch.empty_like(q)
             for b, n in enumerate(lens):
@@ -83,7 +86,7 @@ def decode_cases(setup: Setup, opts: dict, label: str) -> Iterator[tuple[str, Ca
                 if not torch.equal(keys[-1], k_new[b, 0]):
                     raise Fail(f"decode did not append request {b}'s token at {n}")
                 values = reference.gather_pages(vc, tab[b], n + 1)
-                ref[b] = reference.attend_one(q[b], keys, values, softmax_scale=scale, **opts)
+                ref[b] = reference.attend_one(q[b], keys, values, options=AttentionOptions(softmax_scale=scale, **opts))
             return out.cpu(), ref
 
         yield f"decode[{label}, splits={splits or 'auto'}]", run
@@ -94,6 +97,7 @@ def prefill_cases(setup: Setup, opts: dict, label: str) -> Iterator[tuple[str, C
     step's own keys into them (what the cache does on every prefill step). The second replaces the
     old ``varlen[...]`` cases: no backend has a varlen entry point since the gather path was removed."""
     from hf_paged_attn.kernels import reference
+    from hf_paged_attn.kernels.base import AttentionOptions
 
     backend, dtype, device, gen = setup.backend, setup.dtype, setup.device, setup.gen
     h, h_kv, d, bs = setup.shape
@@ -117,12 +121,13 @@ def prefill_cases(setup: Setup, opts: dict, label: str) -> Iterator[tuple[str, C
     new_k, new_v = k_packed[_new_rows(cu_k, q_lens)], v_packed[_new_rows(cu_k, q_lens)]  # [total_q, H_kv, D]
 
     def reference_out() -> torch.Tensor:
-        return reference.varlen_reference(qp, k_packed, v_packed, cu_q, cu_k, softmax_scale=scale, **opts)
+        options = AttentionOptions(softmax_scale=scale, **opts)
+        return reference.varlen_reference(qp, k_packed, v_packed, cu_q, cu_k, options=options)
 
     def prefill(kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
         return backend.paged_prefill_attention(
             qp.to(device), kc, vc, cu_q.to(device), torch.tensor(k_lens, dtype=torch.int32, device=device), table,
-            max(q_lens), max(k_lens), softmax_scale=scale, **dev_opts,
+            max(q_lens), max(k_lens), options=AttentionOptions(softmax_scale=scale, **dev_opts),
         )  # fmt: skip
 
     def from_pages() -> tuple[torch.Tensor, torch.Tensor]:

@@ -49,6 +49,8 @@ def by_splits(
     dims: tuple[int, int, int],
 ) -> str:  # fmt: skip
     """``ops``: ``triton_ops``; ``dims``: K/V heads, query heads per K/V head, head dim."""
+    from hf_paged_attn.kernels.base import AttentionOptions
+
     h_kv, group, d = dims
     q, k_cache, v_cache, seqlens, table, moved = decode_problem(batch, context, bs, h_kv, group, d, ctx.device)
     auto = ops._choose_num_splits(batch, h_kv, table.shape[1] * bs, sms)
@@ -57,7 +59,8 @@ def by_splits(
 
         def step(splits: int | None = splits) -> torch.Tensor:
             return ops.paged_decode_attention(
-                q, k_cache, v_cache, None, None, seqlens, table, softmax_scale=d**-0.5, num_splits=splits
+                q, k_cache, v_cache, None, None, seqlens, table, options=AttentionOptions(softmax_scale=d**-0.5),
+                num_splits=splits,
             )
 
         seconds, _ = time_kernel(step, ctx.device)
@@ -74,6 +77,8 @@ def by_splits(
 def by_knobs(ctx: Context, ops: ModuleType, dims: tuple[int, int, int], context: int) -> str:
     """One long request, automatic splits, by (keys per iteration, num_warps, num_stages); the
     module constants are set for the sweep and restored after. None: Triton's default."""
+    from hf_paged_attn.kernels.base import AttentionOptions
+
     h_kv, group, d = dims
     knobs = ("_DECODE_BLOCK_N", "_DECODE_NUM_WARPS", "_DECODE_NUM_STAGES")
     saved = {k: getattr(ops, k) for k in knobs}
@@ -81,7 +86,8 @@ def by_knobs(ctx: Context, ops: ModuleType, dims: tuple[int, int, int], context:
     q, k_cache, v_cache, seqlens, table, moved = decode_problem(1, context, bs, h_kv, group, d, ctx.device)
 
     def step() -> torch.Tensor:
-        return ops.paged_decode_attention(q, k_cache, v_cache, None, None, seqlens, table, softmax_scale=d**-0.5)
+        options = AttentionOptions(softmax_scale=d**-0.5)
+        return ops.paged_decode_attention(q, k_cache, v_cache, None, None, seqlens, table, options=options)
 
     row = []
     try:
