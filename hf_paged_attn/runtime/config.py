@@ -13,7 +13,7 @@ from ..core.policy import POLICIES
 from ..kernels import BACKENDS, KERNELS, resolve_kernel
 from ..kernels.kv_dtype import KV_CACHE_DTYPES
 from .cpu import fp32_matmuls
-from .model.placement import kernel_device
+from .model.placement import kernel_device, layer_devices, offloaded_to
 from .speculative.config import SpeculativeConfig
 
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
@@ -173,10 +173,26 @@ class PagedConfig:
             raise ValueError(f"PagedConfig.speculative must be None or a SpeculativeConfig, got {self.speculative!r}")
 
     def for_model(self, model: torch.nn.Module) -> PagedConfig:
-        """``resolved`` for ``model``: its device, dtype, whether its attention has sinks and its pages' head dim."""
+        """``resolved`` for ``model``: its device, dtype, whether its attention has sinks and its pages' head dim,
+        then ``placed`` where its layers sit. The launcher reads the answers."""
         sinks = any(name.rsplit(".", 1)[-1] == "sinks" for name, _ in model.named_parameters())
         # not model.device: "meta" when offloaded
-        return self.resolved(kernel_device(model), model.dtype, sinks, page_head_dim(model))
+        return self.resolved(kernel_device(model), model.dtype, sinks, page_head_dim(model)).placed(model)
+
+    def placed(self, model: torch.nn.Module) -> PagedConfig:
+        """This resolved config where ``model``'s layers sit: the one place that decides whether decode steps
+        replay CUDA graphs (every layer on one CUDA device, no weights accelerate copies in at every forward
+        from the host), the forward compiles (every layer on the CPU, none on disk) and steps choose their
+        thread count (every layer on the CPU). A placement that can't run them leaves the steps eager, even
+        where the config asked."""
+        devices, offloaded = set(layer_devices(model)), offloaded_to(model)
+        on_cpu = {d.type for d in devices} == {"cpu"}
+        one_cuda = len(devices) == 1 and next(iter(devices)).type == "cuda"
+        return self.replace(
+            cuda_graphs=bool(self.cuda_graphs) and one_cuda and not offloaded & {"cpu", "disk"},
+            compile=self.compile if on_cpu and "disk" not in offloaded else False,  # keeps "startup"
+            adaptive_threads=bool(self.adaptive_threads) and on_cpu,
+        )
 
     def replace(self, **changes: object) -> PagedConfig:
         """A copy with ``changes`` applied (and validated)."""

@@ -24,7 +24,6 @@ from .cpu import fp32_matmuls
 from .executor import Executor, LocalExecutor
 from .model.marks import marks_for
 from .model.memory import fitting_blocks
-from .model.placement import layer_devices
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +63,7 @@ class LocalLauncher:
             fp32_matmuls.uninstall(model, marks)
         num_blocks = num_blocks or fitting_blocks(model, config, layers)
         # Graphs' padding rows write a scratch page that no request ever holds.
-        return CacheSize(num_blocks, num_blocks + int(self._graphs(model, config)))
+        return CacheSize(num_blocks, num_blocks + int(bool(config.cuda_graphs)))
 
     def executor(
         self,
@@ -77,20 +76,16 @@ class LocalLauncher:
     ) -> Executor:
         eager = LocalExecutor(model, cache, backend)
         counts = self._thread_counts(model, config)
-        if self._compiled(model, config):
+        if config.compile:
             from .cpu.compiled import CompiledExecutor
 
             return self._threads(CompiledExecutor(eager, layers, counts), counts, model)  # eager until compiled
-        if not self._graphs(model, config):
+        if not config.cuda_graphs:
             return self._threads(eager, counts, model)
         from .cuda_graphs import CudaGraphExecutor
 
         positions = max_positions(model)
         return CudaGraphExecutor(eager, layers, config, scratch_block=size.num_blocks, max_positions=positions)
-
-    @staticmethod
-    def _on_cpu(model: torch.nn.Module) -> bool:
-        return {d.type for d in layer_devices(model)} == {"cpu"}
 
     @classmethod
     def _thread_counts(cls, model: torch.nn.Module, config: PagedConfig) -> tuple[int, ...]:
@@ -99,8 +94,7 @@ class LocalLauncher:
         one thread), else torch's alone."""
         from .cpu.threads import candidates
 
-        adapt = config.adaptive_threads and cls._on_cpu(model)
-        return candidates(torch.get_num_threads()) if adapt else (torch.get_num_threads(),)
+        return candidates(torch.get_num_threads()) if config.adaptive_threads else (torch.get_num_threads(),)
 
     @staticmethod
     def _threads(executor: Executor, counts: tuple[int, ...], model: torch.nn.Module) -> Executor:
@@ -111,22 +105,6 @@ class LocalLauncher:
         from .cpu.threads import ThreadTunedExecutor, tuner_for
 
         return ThreadTunedExecutor(executor, counts, tuners=functools.partial(tuner_for, model))
-
-    @classmethod
-    def _compiled(cls, model: torch.nn.Module, config: PagedConfig) -> bool:
-        """A compiled forward: on in the resolved config, every layer on the CPU, nothing offloaded."""
-        if not config.compile or not cls._on_cpu(model):
-            return False
-        return not {"disk"} & {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}
-
-    @staticmethod
-    def _graphs(model: torch.nn.Module, config: PagedConfig) -> bool:
-        """Decode steps as CUDA graphs: on in the resolved config, every layer on one CUDA device, and
-        no weights that accelerate offloads (its hooks copy them in at every forward, from the host)."""
-        devices = set(layer_devices(model))
-        if not config.cuda_graphs or len(devices) != 1 or next(iter(devices)).type != "cuda":
-            return False
-        return not {"cpu", "disk"} & {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}
 
 
 # Launchers of other kinds of execution, asked in order: one returns a launcher for a model it runs

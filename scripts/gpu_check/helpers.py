@@ -315,15 +315,17 @@ def graph_launcher(device: torch.device) -> LocalLauncher | None:
     ``CudaGraphExecutor`` over ``stand_in_capture``."""
     if device.type == "cuda":
         return None
-    from hf_paged_attn.runtime.launcher import LocalLauncher
+    from hf_paged_attn import PagedConfig
+    from hf_paged_attn.runtime.launcher import CacheSize, LocalLauncher
 
     class StandInGraphLauncher(LocalLauncher):
-        @staticmethod
-        def _graphs(model: torch.nn.Module, config: object) -> bool:
-            return True
+        # graphs wherever the model sits: the config says whether they run, and on the CPU it says no
+        def cache_size(self, model: torch.nn.Module, config: PagedConfig, *args: object) -> CacheSize:
+            return super().cache_size(model, config.replace(cuda_graphs=True), *args)
 
-        def executor(self, *args: object) -> CudaGraphExecutor:
-            executor = super().executor(*args)
+        def executor(self, model: torch.nn.Module, cache: object, backend: object, config: PagedConfig,
+                     *args: object) -> CudaGraphExecutor:  # fmt: skip
+            executor = super().executor(model, cache, backend, config.replace(cuda_graphs=True), *args)
             executor.graph_factory = stand_in_capture
             return executor
 

@@ -29,7 +29,7 @@ from hf_paged_attn.kernels import BACKENDS, cpu_native  # noqa: E402
 from hf_paged_attn.kernels.base import AttentionOptions  # noqa: E402
 from hf_paged_attn.kernels.torch_backend import TorchBackend  # noqa: E402
 from hf_paged_attn.kernels.triton_backend import TritonBackend  # noqa: E402
-from hf_paged_attn.runtime import launcher as launcher_module  # noqa: E402
+from hf_paged_attn.runtime import config as config_module  # noqa: E402
 from hf_paged_attn.runtime.cuda_graphs import CudaGraphExecutor, decode_buckets, max_blocks_per_seq  # noqa: E402
 from hf_paged_attn.runtime.executor import LocalExecutor
 from hf_paged_attn.runtime.launcher import LocalLauncher  # noqa: E402
@@ -112,7 +112,13 @@ def graphs_on(monkeypatch):
         self.captured_at_close = dict(self.captured)
         close(self)
 
-    monkeypatch.setattr(LocalLauncher, "_graphs", staticmethod(lambda model, config: True))
+    # the scratch page of graphs' padding rows, which the config (no graphs on the CPU) does not ask for
+    cache_size = LocalLauncher.cache_size
+
+    def with_scratch_page(self, model, config, *args):
+        return cache_size(self, model, config.replace(cuda_graphs=True), *args)
+
+    monkeypatch.setattr(LocalLauncher, "cache_size", with_scratch_page)
     monkeypatch.setattr(LocalLauncher, "executor", executor)
     monkeypatch.setattr(CudaGraphExecutor, "close", keep_what_was_captured)
     return SimpleNamespace(runners=runners, settings=settings)
@@ -188,12 +194,13 @@ def test_an_engine_on_the_cpu_runs_eagerly(llama):
 
 
 def test_which_models_get_graphs(llama, monkeypatch):
-    """``LocalLauncher`` on a model that claims to sit on CUDA (nothing CUDA runs until a capture)."""
+    """``PagedConfig.placed`` and ``LocalLauncher`` on a model that claims to sit on CUDA (nothing CUDA runs
+    until a capture)."""
     _, paged = llama
     config = PagedConfig(kernel="triton", block_size=16, cuda_graphs=True)
     launcher = LocalLauncher()
-    monkeypatch.setattr(launcher_module, "layer_devices", lambda model: [CUDA, CUDA])
-    assert launcher._graphs(paged, config) and not launcher._graphs(paged, config.replace(cuda_graphs=False))
+    monkeypatch.setattr(config_module, "layer_devices", lambda model: [CUDA, CUDA])
+    assert config.placed(paged).cuda_graphs and not config.replace(cuda_graphs=False).placed(paged).cuda_graphs
     size = launcher.cache_size(paged, config, engine_layers(paged), 100)
     assert (size.num_blocks, size.num_pages) == (100, 101)  # the scratch page
     runner = launcher.executor(paged, None, None, config, engine_layers(paged), size)
@@ -201,13 +208,13 @@ def test_which_models_get_graphs(llama, monkeypatch):
     assert runner.buckets[-1] == 64 and runner.num_captures == 0
     with monkeypatch.context() as m:
         m.setattr(paged, "hf_device_map", {"model": 0, "lm_head": "cpu"}, raising=False)  # offloaded
-        assert not launcher._graphs(paged, config)
+        assert not config.placed(paged).cuda_graphs
         m.setattr(paged, "hf_device_map", {"": 0}, raising=False)
-        assert launcher._graphs(paged, config)
-    monkeypatch.setattr(launcher_module, "layer_devices", lambda model: [CUDA, torch.device("cuda:1")])
-    assert not launcher._graphs(paged, config)  # layers on two devices
-    monkeypatch.setattr(launcher_module, "layer_devices", lambda model: [CPU])
-    assert not launcher._graphs(paged, config)
+        assert config.placed(paged).cuda_graphs
+    monkeypatch.setattr(config_module, "layer_devices", lambda model: [CUDA, torch.device("cuda:1")])
+    assert not config.placed(paged).cuda_graphs  # layers on two devices
+    monkeypatch.setattr(config_module, "layer_devices", lambda model: [CPU])
+    assert not config.placed(paged).cuda_graphs
 
 
 def engine_layers(model):

@@ -96,6 +96,11 @@ def layer_kinds(model: torch.nn.Module, hybrid_kv: bool) -> LayerKinds:
     return LayerKinds.from_config(model.config, share_pages=hybrid_kv and len(set(layer_devices(model))) == 1)
 
 
+def offloaded_to(model: torch.nn.Module) -> set[str]:
+    """What accelerate's ``device_map`` puts modules on, as strings ("cpu", "disk", "0", ...); empty without one."""
+    return {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}
+
+
 def kernel_device(model: torch.nn.Module) -> torch.device:
     """The device ``kernel="auto"`` is resolved for: the layers' device when they all run on one
     device type (several GPUs count as one type), else the CPU, whose choice (the torch backend)

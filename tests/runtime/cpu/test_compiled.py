@@ -22,7 +22,6 @@ from hf_paged_attn.runtime.cpu import attention as cpu_attention
 from hf_paged_attn.runtime.cpu import compiled as compiled_module
 from hf_paged_attn.runtime.cpu.compiled import CompiledExecutor
 from hf_paged_attn.runtime.executor import LocalExecutor
-from hf_paged_attn.runtime.launcher import LocalLauncher
 from hf_paged_attn_tools.testing import (
     compare_greedy,
     load_pair,
@@ -73,8 +72,11 @@ def test_config_switch_validates(monkeypatch) -> None:
 
 def test_launcher_chooses_the_compiled_executor(pair) -> None:
     _, paged = pair
-    assert LocalLauncher._compiled(paged, ON.for_model(paged))
-    assert not LocalLauncher._compiled(paged, ON.replace(compile=False).for_model(paged))
+    assert ON.for_model(paged).compile
+    assert not ON.replace(compile=False).for_model(paged).compile
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(paged, "hf_device_map", {"model": "cpu", "lm_head": "disk"}, raising=False)
+        assert not ON.for_model(paged).compile  # weights on disk: eager
     with ContinuousBatchingEngine(paged, PagedConfig(num_blocks=64, compile=False, adaptive_threads=False)) as engine:
         assert type(engine.executor) is LocalExecutor
 
