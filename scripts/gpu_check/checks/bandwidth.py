@@ -79,7 +79,8 @@ USES = (
     "hf_paged_attn.kernels:BACKENDS",
     "hf_paged_attn.kernels.base:AttentionBackend.graph_safe",
     "hf_paged_attn.kernels.base:AttentionBackend.paged_decode_attention"
-    "(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale)",
+    "(q, k_cache, v_cache, k, v, cache_seqlens, block_table, options)",
+    "hf_paged_attn.kernels.base:AttentionOptions(softmax_scale)",
 )
 CHECKS = [
     Check(f"bandwidth/{name}", functools.partial(run, name=name), 60, cpu=True, uses=USES) for name in BACKEND_NAMES

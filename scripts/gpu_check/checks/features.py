@@ -130,7 +130,8 @@ def structured(ctx: Context) -> str:
 USES = (
     "hf_paged_attn:SpeculativeConfig(num_speculative_tokens, draft_model, adaptive)",
     "hf_paged_attn:PagedConfig(block_size, num_blocks, max_batch_tokens, speculative)",
-    "hf_paged_attn:ContinuousBatchingEngine.add_request(prompt_logprobs, structured, tokenizer, max_new_tokens)",
+    "hf_paged_attn:ContinuousBatchingEngine.add_request(input_ids, params)",
+    "hf_paged_attn:SamplingParams(prompt_logprobs, structured, tokenizer, max_new_tokens)",
     "hf_paged_attn:RequestOutput.prompt_logprobs",
     "hf_paged_attn:EngineStats.num_draft_tokens",
     "hf_paged_attn:EngineStats.num_accepted_tokens",

@@ -200,12 +200,13 @@ def run(ctx: Context, name: str, dtype_name: str) -> str:
 USES = (
     "hf_paged_attn.kernels.base:AttentionBackend.write_kv(k, v, k_cache, v_cache, slot_mapping)",
     "hf_paged_attn.kernels.base:AttentionBackend.paged_decode_attention"
-    "(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size, softcap, sinks)",
+    "(q, k_cache, v_cache, k, v, cache_seqlens, block_table, options)",
     "hf_paged_attn.kernels.base:AttentionBackend.paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, "
-    "seqused_k, block_table, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, softcap, sinks)",
-    "hf_paged_attn.kernels.triton_ops:paged_decode_attention(softmax_scale, num_splits)",
-    "hf_paged_attn.kernels.reference:attend_one(q, k, v, softmax_scale, causal, window_size, softcap, sinks)",
-    "hf_paged_attn.kernels.reference:varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k)",
+    "seqused_k, block_table, max_seqlen_q, max_seqlen_k, options)",
+    "hf_paged_attn.kernels.base:AttentionOptions(softmax_scale, causal, window_size, softcap, sinks)",
+    "hf_paged_attn.kernels.triton_ops:paged_decode_attention(options, num_splits)",
+    "hf_paged_attn.kernels.reference:attend_one(q, k, v, options)",
+    "hf_paged_attn.kernels.reference:varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, options)",
     "hf_paged_attn.kernels.reference:gather_pages(cache, block_table_row, length)",
     "hf_paged_attn_tools.testing:shuffled_block_table(lens, block_size, gen, spare)",
 )

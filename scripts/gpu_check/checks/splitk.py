@@ -106,7 +106,8 @@ def by_knobs(ctx: Context, ops: ModuleType, dims: tuple[int, int, int], context:
 
 USES = (
     "hf_paged_attn.kernels.triton_ops:_choose_num_splits(batch, num_kv_heads, max_len, num_sms)",
-    "hf_paged_attn.kernels.triton_ops:paged_decode_attention(softmax_scale, num_splits)",
+    "hf_paged_attn.kernels.triton_ops:paged_decode_attention(options, num_splits)",
+    "hf_paged_attn.kernels.base:AttentionOptions(softmax_scale)",
     "hf_paged_attn.kernels.triton_ops:_DECODE_BLOCK_N",
     "hf_paged_attn.kernels.triton_ops:_DECODE_NUM_WARPS",
     "hf_paged_attn.kernels.triton_ops:_DECODE_NUM_STAGES",
