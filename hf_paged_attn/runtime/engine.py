@@ -188,7 +188,7 @@ class ContinuousBatchingEngine(BatchAPI):
             )
         elif FIELDS & options.keys():
             raise TypeError(f"pass {sorted(FIELDS & options.keys())} inside params, not beside it")
-        image_inputs: dict = options  # what is left: the processor's image tensors
+        image_inputs: dict[str, object] = options  # what is left: the processor's image tensors
         text_config = self.model.config.get_text_config()
         prompt = validate_prompt(input_ids, text_config.vocab_size, self.max_position_embeddings)
         # As in generate: what the caller's config leaves unset (eos, pad, ...) comes from the model's.
