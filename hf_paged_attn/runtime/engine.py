@@ -39,7 +39,7 @@ from .model.placement import input_device, layer_kinds
 from .model.sleep import TAGS, SleepState, allocate_pages, free_pages, pool_bytes, sleep_weights, wake_weights
 from .model.weight_loading import load_directory, load_named_tensors
 from .model.weights import WeightsWatch
-from .multimodal import MultimodalInputs, MultimodalSteps, split_images
+from .multimodal import DERIVED_INPUTS, IMAGE_INPUTS, MultimodalInputs, MultimodalSteps, split_images
 from .speculative.speculator import build_speculator
 from .stats import EngineStats, StepCounters
 from .update import Updater
@@ -166,7 +166,8 @@ class ContinuousBatchingEngine(BatchAPI):
 
         ``params``: how the request samples and what it records (``SamplingParams``: max_new_tokens,
         generation_config, logprobs, seed, stop criteria, structured outputs, ...). Its fields may be given
-        as keywords instead (``add_request(ids, max_new_tokens=16, seed=0)``), never both.
+        as keywords instead (``add_request(ids, max_new_tokens=16, seed=0)``), never both; an int in its
+        place is ``max_new_tokens``, as the positional form ``add_request(ids, 16)`` always meant.
         ``priority``: lower runs first under ``scheduling_policy="priority"``. ``adapter_name``: the LoRA
         adapter the request runs under (None or ``"__base__"``: the base model), one of the model's PEFT
         adapters. ``padding``: the prompt's left padding in ``model.generate``'s batch, which its
@@ -179,7 +180,9 @@ class ContinuousBatchingEngine(BatchAPI):
         """
         if self._sleep is not None:
             raise RuntimeError("the engine is asleep: call wake_up() before adding requests")
-        if params is None:
+        if isinstance(params, int) and not isinstance(params, bool) and "max_new_tokens" not in options:
+            params, options = SamplingParams.split({**options, "max_new_tokens": params})  # add_request(ids, 16)
+        elif params is None:
             params, options = SamplingParams.split(options)
         elif not isinstance(params, SamplingParams):
             raise TypeError(
@@ -189,6 +192,12 @@ class ContinuousBatchingEngine(BatchAPI):
         elif FIELDS & options.keys():
             raise TypeError(f"pass {sorted(FIELDS & options.keys())} inside params, not beside it")
         image_inputs: dict[str, object] = options  # what is left: the processor's image tensors
+        if unknown := sorted(set(image_inputs) - {*IMAGE_INPUTS, *DERIVED_INPUTS}):
+            raise TypeError(
+                f"add_request() got unexpected keyword arguments {unknown}: it takes SamplingParams' fields "
+                f"{sorted(FIELDS)}, request_id, priority, adapter_name, multimodal, padding, lockstep, and a "
+                f"vision-language model's image inputs {list(IMAGE_INPUTS)}"
+            )
         text_config = self.model.config.get_text_config()
         prompt = validate_prompt(input_ids, text_config.vocab_size, self.max_position_embeddings)
         # As in generate: what the caller's config leaves unset (eos, pad, ...) comes from the model's.

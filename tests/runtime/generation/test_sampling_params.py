@@ -71,5 +71,10 @@ def test_params_and_its_keywords_are_not_mixed(llama_pair) -> None:
         with pytest.raises(TypeError, match="max_new_tokens"):
             engine.add_request([1, 2], SamplingParams(seed=1), max_new_tokens=3)
         with pytest.raises(TypeError, match="by keyword"):
-            engine.add_request([1, 2], 3)  # max_new_tokens is keyword-only now
+            engine.add_request([1, 2], GenerationConfig(max_new_tokens=3))  # generation_config is keyword-only now
+        with pytest.raises(TypeError, match="max_new_token"):
+            engine.add_request([1, 2], max_new_token=3)  # a misspelt keyword, named as Python would
         assert engine.intake.num_incoming == 0
+        engine.add_request([1, 2], 3, request_id="positional")  # the positional max_new_tokens of before
+        finals = [o for o in engine.stream() if o.finished]
+        assert [(o.request_id, len(o.output_ids)) for o in finals] == [("positional", 3)]
