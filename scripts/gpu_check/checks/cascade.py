@@ -55,7 +55,7 @@ def run(ctx: Context) -> str:
 USES = (
     "hf_paged_attn.kernels.torch_backend.decode:_decode_cascade",
     "hf_paged_attn.kernels.torch_backend.decode:CASCADE_MIN_TOKENS",
-    "hf_paged_attn.kernels.cpu_native:enabled",
+    "hf_paged_attn.kernels.cpu_native:library",
     "hf_paged_attn:PagedConfig(kernel, block_size, num_blocks)",
     "hf_paged_attn:RequestOutput.num_cached_tokens",
 )
