@@ -27,7 +27,8 @@ from collections.abc import Iterator
 import torch
 
 from ...attention.step import StepMetadata
-from .marks import ModelMarks
+from . import lora_rows
+from .marks import ModelMarks, marks_for
 
 BASE = "__base__"  # PEFT's name of "no adapter" in generate(adapter_names=)
 
@@ -120,11 +121,18 @@ class LoraRouter:
     def __init__(self) -> None:
         self.layers: list[torch.nn.Module] = []
         self.groups: list[tuple[str, Rows]] | None = None  # None: no engine step is running
+        # While the compiled forward traces: its ``adapter_index`` input [1, N] (``lora_rows.py``); else None.
+        self.index: torch.Tensor | None = None
 
     @property
     def adapters(self) -> set[str]:
         """Every adapter some LoRA layer holds."""
         return {name for layer in self.layers for name in layer.lora_A.keys()}
+
+    @property
+    def slots(self) -> dict[str, int]:
+        """Each adapter's number in the compiled forward's ``adapter_index`` (``lora_rows.adapter_slots``)."""
+        return lora_rows.adapter_slots(self.adapters)
 
     @contextlib.contextmanager
     def step(self, step: StepMetadata) -> Iterator[None]:
@@ -150,6 +158,16 @@ def attach(model: torch.nn.Module, marks: ModelMarks) -> LoraRouter | None:
         if marks.get(layer, "forward") is None:
             marks.put(layer, "forward", functools.partial(_forward, router, layer))
     return router
+
+
+def attached(model: torch.nn.Module) -> LoraRouter | None:
+    """The router an engine attached to ``model``'s LoRA layers (``attach``), or None."""
+    marks = marks_for(model)
+    for layer in lora_layers(model):
+        found = marks.get(layer, "forward")
+        if isinstance(found, functools.partial) and found.func is _forward:
+            return found.args[0]
+    return None
 
 
 def row_groups(step: StepMetadata) -> list[tuple[str, Rows]]:
@@ -179,7 +197,10 @@ def row_groups(step: StepMetadata) -> list[tuple[str, Rows]]:
 
 def _forward(router: LoraRouter, layer: torch.nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """A LoRA layer's forward inside the engine: the base layer, plus each adapter's ``scaling * B(A(x))``
-    on its rows. Outside an engine step (a caller's own forward while an engine is open) PEFT's."""
+    on its rows. Outside an engine step (a caller's own forward while an engine is open) PEFT's. While the
+    compiled forward traces it, the graph's form, whose rows' adapters are a graph input (``lora_rows.py``)."""
+    if torch.compiler.is_compiling() and router.index is not None:
+        return lora_rows.masked_forward(layer, router.slots, router.index, x, *args, **kwargs)
     groups = router.groups
     if groups is None:
         return type(layer).forward(layer, x, *args, **kwargs)
