@@ -302,6 +302,7 @@ class ContinuousBatchingEngine(BatchAPI):
         again for the new adapters (``compiled.retire``), its steps eager meanwhile."""
         if self.config.cuda_graphs:
             raise ValueError("LoRA adapters can't run in CUDA graphs: an engine with cuda_graphs=False runs them")
+        self._check_one_process("load_adapter")
         if name == lora.BASE or name in self.adapters:
             raise ValueError(f"adapter name {name!r} is in use")
         self._peft = lora.load_adapter(self.model, self._peft, name, os.fspath(path))
@@ -314,12 +315,21 @@ class ContinuousBatchingEngine(BatchAPI):
     def unload_adapter(self, name: str) -> None:
         """Delete adapter ``name`` from the model (PEFT's ``delete_adapter``). RuntimeError while a live request
         runs under it; ValueError for a name the model does not hold."""
+        self._check_one_process("unload_adapter")
         if name not in self.adapters or self._peft is None:
             raise ValueError(f"unknown adapter {name!r}")
         if self.adapter_in_use(name):
             raise RuntimeError(f"adapter {name!r} has requests in flight")
         self._peft.delete_adapter(name)
         self._adapters_changed()
+
+    def _check_one_process(self, what: str) -> None:
+        """An engine's adapter loads are rank 0's alone: on a tensor-parallel model every rank must hold them."""
+        if (getattr(self.model, "tp_size", None) or 1) > 1:
+            raise NotImplementedError(
+                f"engine.{what} on a tensor-parallel model: load or delete the adapter on every rank (PEFT's "
+                "load_adapter / delete_adapter), then build the engine"
+            )
 
     def _adapters_changed(self) -> None:
         if self.config.compile:  # the compiled forward holds the adapters it was traced with (``lora_rows.py``)
@@ -478,10 +488,7 @@ class ContinuousBatchingEngine(BatchAPI):
 
 def _lora_config(model: torch.nn.Module, config: PagedConfig) -> PagedConfig:
     """``config`` for a model with LoRA layers: no CUDA graphs (a captured graph would freeze one step's adapter
-    rows; the compiled CPU forward takes them as an input, ``lora_rows.py``), one process (no tensor-parallel
-    sharding of A and B yet)."""
-    if (getattr(model, "tp_size", None) or 1) > 1:
-        raise NotImplementedError("LoRA adapters on a tensor-parallel model are not supported by the paged engine")
+    rows; the compiled CPU forward takes them as an input, ``lora_rows.py``)."""
     if config.cuda_graphs:
         raise ValueError("PagedConfig.cuda_graphs=True cannot run LoRA adapters (their rows change every step)")
     return config.replace(cuda_graphs=False)

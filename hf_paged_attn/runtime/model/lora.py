@@ -9,6 +9,13 @@ SGMV as a loop over the step's adapters, in torch). The layer's own weights and 
 every step, so PEFT's rank per adapter, ``lora_alpha``/``use_rslora`` scaling, ``rank_pattern`` and
 target modules that differ between adapters hold as they do in PEFT; dropout is off, as at inference.
 
+On a tensor-parallel model (``tp_plan="auto"``) PEFT already shards each adapter as its base weight is
+sharded, and puts transformers' parallel forwards on ``lora_A`` / ``lora_B``: under a column-parallel base
+(q/k/v, gate/up) B holds this rank's output rows; under a row-parallel base (o, down) A holds its input
+columns and all-reduces ``A x`` ([rows, r]). Calling those modules, as the router does, runs each rank's
+shard; every rank runs the same row groups (the step is broadcast) and so the same collectives in the
+same order. A base layer of another tensor-parallel style is refused (``lora_layers``).
+
 What PEFT can do and this can't is refused by name when the engine starts (``lora_layers``): other
 tuners than LoRA, LoRA variants (DoRA, aLoRA, ...), LoRA on other layers than ``nn.Linear``, merged
 adapters, ``modules_to_save`` and trainable tokens.
@@ -31,6 +38,9 @@ from . import lora_rows
 from .marks import ModelMarks, marks_for
 
 BASE = "__base__"  # PEFT's name of "no adapter" in generate(adapter_names=)
+# transformers' tensor-parallel styles whose LoRA layers PEFT shards (and we run): their output is this rank's
+# slice of the features (colwise) or the all-reduced sum (rowwise), as the base layer's
+TP_STYLES = ("colwise", "rowwise")
 
 # What a row group is: an adapter's name and its rows of the packed step (a slice where they are one run).
 Rows = slice | torch.Tensor
@@ -86,6 +96,12 @@ def lora_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
             raise NotImplementedError(
                 f"{name} has merged adapter(s) {module.merged_adapters}: unmerge_adapter() first, or "
                 "merge_and_unload() and serve the merged model without adapters"
+            )
+        plan = getattr(module.get_base_layer(), "_hf_tp_plan", None)
+        if getattr(module.get_base_layer(), "_hf_device_mesh", None) is not None and plan not in TP_STYLES:
+            raise NotImplementedError(
+                f"{name} is sharded with tp_plan {plan!r}: LoRA on a tensor-parallel model runs on layers of "
+                f"the {' and '.join(TP_STYLES)} styles only"
             )
         for adapter, variant in module.lora_variant.items():
             raise NotImplementedError(
@@ -214,7 +230,8 @@ def _forward(router: LoraRouter, layer: torch.nn.Module, x: torch.Tensor, *args,
         if adapter not in layer.lora_A:  # the adapter does not target this module
             continue
         lora_a, lora_b = layer.lora_A[adapter], layer.lora_B[adapter]
-        delta = lora_b(lora_a(flat_x[rows].to(lora_a.weight.dtype))) * layer.scaling[adapter]  # [rows, out]
+        # [rows, out] (a tensor-parallel rank: its slice of out where the base is column-parallel; see the docstring)
+        delta = lora_b(lora_a(flat_x[rows].to(lora_a.weight.dtype))) * layer.scaling[adapter]
         if isinstance(rows, slice):
             flat[rows] += delta.to(flat.dtype)
         else:
