@@ -14,7 +14,7 @@ tokens spread over the two adapters and the base (a, b, base, a, b, base, ...), 
   - ``paged engine``: ``ContinuousBatchingEngine(peft_model)``, one request per row under its adapter;
   - ``paged no adapter``: the same engine's work on the base model alone (no LoRA layers), the same rows;
   - ``paged engine compiled`` and ``paged no adapter compiled``: those two with the compiled CPU forward
-    (``PagedConfig(compile=True)``; the rows' adapters are a graph input, ``runtime/lora_rows.py``), each model
+    (``PagedConfig(compile=True)``; the rows' adapters are a graph input, ``runtime/model/lora_rows.py``), each model
     compiled once before the rounds (not timed).
 Every round runs each system, in an order rotating by round; figures are medians of the process CPU time
 (``--clock wall`` for wall time) and tokens per second (new tokens) over them. The engine's tokens are checked

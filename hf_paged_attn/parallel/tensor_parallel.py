@@ -313,7 +313,8 @@ class WorkerReport:
 def run_worker(model: torch.nn.Module) -> WorkerReport | None:
     """Run rank 0's steps on this rank's shard until rank 0 shuts its engine down (every rank but 0
     calls it once per engine of rank 0). Returns what this rank did, or None if rank 0 stopped
-    before building an engine. A ``PeftModel`` runs its base model under each step's adapters (``lora_shards.py``)."""
+    before building an engine. A ``PeftModel`` runs its base model, each step's rows under their
+    adapters (``runtime/model/lora.py``)."""
     model = lora.base_of(model)
     channel = setup(model)
     if channel.rank == 0:

@@ -1,5 +1,5 @@
 """LoRA adapters on 2 CPU ranks (gloo) under ``torchrun``: each rank runs its shard of every adapter, split as
-the base weight is (``runtime/lora_shards.py``), with PEFT's tokens on sdpa in one process. A tiny Llama (every
+the base weight is (``runtime/model/lora.py``), with PEFT's tokens on sdpa in one process. A tiny Llama (every
 projection sharded) and a GQA Llama with one K/V head (its K/V projections replicated on both ranks); the
 adapters cover column-parallel (q/k/v/up) and row-parallel (o/down) layers.
 

@@ -1,4 +1,4 @@
-"""LoRA adapters on a tensor-parallel model (``runtime/lora_shards.py``), in one ``torchrun`` launch: PEFT's
+"""LoRA adapters on a tensor-parallel model (``runtime/model/lora.py``), in one ``torchrun`` launch: PEFT's
 ``generate(adapter_names=)`` and engine requests under adapters, on every rank. Each rank writes what it saw
 to ``OUT/rank{r}.json``; ``test_tp_lora.py`` compares it with PEFT on sdpa in one process.
 
