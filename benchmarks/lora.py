@@ -12,7 +12,10 @@ tokens spread over the two adapters and the base (a, b, base, a, b, base, ...), 
   - ``peft sdpa xB``: the same in batches of ``--peft-batch`` rows, in request order, each padded to its longest;
   - ``paged generate``: the same ``generate(adapter_names=[...])`` call on a "paged" base (the engine inside);
   - ``paged engine``: ``ContinuousBatchingEngine(peft_model)``, one request per row under its adapter;
-  - ``paged no adapter``: the same engine's work on the base model alone (no LoRA layers), the same rows.
+  - ``paged no adapter``: the same engine's work on the base model alone (no LoRA layers), the same rows;
+  - ``paged engine compiled`` and ``paged no adapter compiled``: those two with the compiled CPU forward
+    (``PagedConfig(compile=True)``; the rows' adapters are a graph input, ``runtime/model/lora_rows.py``), each model
+    compiled once before the rounds (not timed).
 Every round runs each system, in an order rotating by round; figures are medians of the process CPU time
 (``--clock wall`` for wall time) and tokens per second (new tokens) over them. The engine's tokens are checked
 equal to PEFT's (bar numerical near-ties, ``compare_greedy``).
@@ -94,6 +97,9 @@ def main() -> None:
     sdpa, paged = peft_model(base, adapters, "sdpa"), peft_model(base, adapters, "paged")
     plain = AutoModelForCausalLM.from_pretrained(base, attn_implementation="paged", dtype=torch.float32).eval()
     config = PagedConfig(max_num_seqs=args.requests, compile=False)
+    compiled = config.replace(compile=True)
+    for model in (paged, plain):  # the compile, before any round: an engine made with compile="startup" waits for it
+        ContinuousBatchingEngine(model, config.replace(compile="startup")).shutdown()
 
     def run_generate(model: PeftModel, batch: int, **kwargs) -> list[list[int]]:
         out = []
@@ -105,7 +111,7 @@ def main() -> None:
             out += rows[:, ids.shape[1] :].tolist()
         return out
 
-    def run_engine(model: torch.nn.Module, with_adapters: bool) -> list[list[int]]:
+    def run_engine(model: torch.nn.Module, with_adapters: bool, config: PagedConfig = config) -> list[list[int]]:
         with ContinuousBatchingEngine(model, config) as engine:
             rows = [dict(input_ids=q, max_new_tokens=args.new, ignore_eos=True,
                          adapter_name=n if with_adapters else None) for q, n in zip(prompts, names)]  # fmt: skip
@@ -118,6 +124,8 @@ def main() -> None:
         "paged generate": lambda: run_generate(paged, args.requests, paged_config=config),
         "paged engine": lambda: run_engine(paged, True),
         "paged no adapter": lambda: run_engine(plain, False),
+        "paged engine compiled": lambda: run_engine(paged, True, compiled),
+        "paged no adapter compiled": lambda: run_engine(plain, False, compiled),
     }
     peft_all = next(iter(systems))
     times: dict[str, list[float]] = {name: [] for name in systems}
@@ -127,13 +135,13 @@ def main() -> None:
         for name in order:
             seconds, outputs[name] = timed(systems[name], args.clock)
             times[name].append(seconds)
-            print(f"  round {r}: {name:17s} {seconds:7.2f} s", flush=True)
+            print(f"  round {r}: {name:25s} {seconds:7.2f} s", flush=True)
     problems = []
     for adapter in CYCLE:
         rows = [i for i, n in enumerate(names) if n == adapter]
         sdpa.set_adapter(adapter or "a")
         with sdpa.disable_adapter() if adapter is None else contextlib.nullcontext():
-            for system in ("paged generate", "paged engine"):
+            for system in ("paged generate", "paged engine", "paged engine compiled"):
                 problems += compare_greedy(sdpa, [prompts[i] for i in rows], [outputs[peft_all][i] for i in rows],
                                            [outputs[system][i] for i in rows])  # fmt: skip
     tokens = args.requests * args.new
@@ -142,9 +150,10 @@ def main() -> None:
           f"{args.low}-{args.high} prompt tokens, {args.new} new tokens each, {args.threads} thread(s), "
           f"median of {args.rounds} rounds ({args.clock} time)")  # fmt: skip
     for name in systems:
-        print(f"  {name:17s} {median[name]:7.2f} s  {tokens / median[name]:8.1f} tok/s")
-    for ours in ("paged generate", "paged engine"):
-        for theirs in (peft_all, peft_b, "paged no adapter"):
+        print(f"  {name:25s} {median[name]:7.2f} s  {tokens / median[name]:8.1f} tok/s")
+    for ours in ("paged generate", "paged engine", "paged engine compiled"):
+        baselines = [peft_all, peft_b, "paged no adapter"] + ["paged no adapter compiled"] * ("compiled" in ours)
+        for theirs in baselines:
             print(f"  {ours} / {theirs}: {median[theirs] / median[ours]:.2f}x")
     print(f"  tokens equal to PEFT's (bar near-ties): {'yes' if not problems else problems}")
 

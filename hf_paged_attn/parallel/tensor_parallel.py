@@ -17,6 +17,7 @@ or discard that step, and rank 0 fails the step's requests, as one process would
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import pickle
 import signal
@@ -36,8 +37,9 @@ from ..kernels.kv_dtype import KV_CACHE_DTYPES
 from ..runtime.config import PagedConfig
 from ..runtime.executor import LocalExecutor
 from ..runtime.launcher import CacheSize
-from ..runtime.model import memory
+from ..runtime.model import lora, memory
 from ..runtime.model.kv_scales import kv_scales_for
+from ..runtime.model.marks import marks_for
 from ..runtime.model.placement import input_device
 
 T = TypeVar("T")
@@ -165,13 +167,10 @@ def replicate_kv_heads(model: torch.nn.Module) -> None:
     multiple of the K/V heads. The projections become plain local layers. Idempotent."""
     from torch.distributed.tensor import DTensor
 
-    if getattr(model, "_paged_kv_replicated", False):
-        return
     text = model.config.get_text_config()
     total, _ = kv_heads(model)
     size, heads = model.tp_size, text.num_attention_heads
     if total % size == 0:
-        model._paged_kv_replicated = True
         return
     if size % total or heads % size:
         raise ValueError(
@@ -185,17 +184,32 @@ def replicate_kv_heads(model: torch.nn.Module) -> None:
             continue
         head_dim = getattr(module, "head_dim", None) or text.hidden_size // heads
         for proj in (k_proj, v_proj):
-            for name in ("weight", "bias"):
-                param = getattr(proj, name, None)
-                if param is None:
-                    continue
-                full = param.full_tensor() if isinstance(param, DTensor) else param  # [total * head_dim, ...]
-                local = full[head * head_dim : (head + 1) * head_dim].detach().clone()
-                setattr(proj, name, torch.nn.Parameter(local, requires_grad=False))
-            proj.out_features = head_dim
-            proj.__dict__.pop("forward", None)  # drop the column-wise hook: the output is this rank's head
+            base = proj.get_base_layer() if hasattr(proj, "get_base_layer") else proj  # under a PEFT LoRA layer
+            if not getattr(base, "_paged_head_local", False):
+                _keep_head(base, head, head_dim)
+            # PEFT shards a LoRA B as its base was, column-wise: B keeps the base's head's rows instead. Every
+            # setup looks, for adapters loaded (on every rank) since the last one.
+            for lora_b in getattr(proj, "lora_B", {}).values():
+                if isinstance(lora_b.weight, DTensor):
+                    _keep_head(lora_b, head, head_dim)
         module.num_key_value_groups = heads // size  # local query heads per local K/V head (eager/sdpa)
-    model._paged_kv_replicated = True
+
+
+def _keep_head(linear: torch.nn.Module, head: int, head_dim: int) -> None:
+    """``linear`` (a K/V projection, or a LoRA B over one) as a plain local layer of head ``head``'s output rows
+    (gathered first where sharded: a collective)."""
+    from torch.distributed.tensor import DTensor
+
+    for name in ("weight", "bias"):
+        param = getattr(linear, name, None)
+        if param is None:
+            continue
+        full = param.full_tensor() if isinstance(param, DTensor) else param  # [total * head_dim, ...]
+        local = full[head * head_dim : (head + 1) * head_dim].detach().clone()
+        setattr(linear, name, torch.nn.Parameter(local, requires_grad=False))
+    linear.out_features = head_dim
+    linear.__dict__.pop("forward", None)  # drop the column-wise hook: the output is this rank's head
+    linear._paged_head_local = True
 
 
 def rank_blocks(model: torch.nn.Module, config: PagedConfig) -> int:
@@ -299,7 +313,9 @@ class WorkerReport:
 def run_worker(model: torch.nn.Module) -> WorkerReport | None:
     """Run rank 0's steps on this rank's shard until rank 0 shuts its engine down (every rank but 0
     calls it once per engine of rank 0). Returns what this rank did, or None if rank 0 stopped
-    before building an engine."""
+    before building an engine. A ``PeftModel`` runs its base model, each step's rows under their
+    adapters (``runtime/model/lora.py``)."""
+    model = lora.base_of(model)
     channel = setup(model)
     if channel.rank == 0:
         raise ValueError("run_worker runs on the ranks other than 0; rank 0 builds the engine")
@@ -316,13 +332,20 @@ def run_worker(model: torch.nn.Module) -> WorkerReport | None:
                                 KV_CACHE_DTYPES[config.kv_cache_dtype], scales)  # fmt: skip
     local = LocalExecutor(model, cache, load_backend(config.kernel, device))
     report = WorkerReport(num_blocks)
-    while (message := channel.receive())[0] == "step":
-        step: StepMetadata = moved(message[1], device)
-        try:
-            run_step(channel, lambda step=step: local.prepare(step), lambda step=step: local.forward(step))
-            report.num_steps += 1
-        except Exception:  # rank 0 fails the step's requests; the worker carries on
-            report.num_failed_steps += 1
+    # LoRA adapters: this rank's shards run each step's rows under their requests' adapters, as on rank 0
+    release = marks_for(model).open()
+    try:
+        router = lora.attach(model, marks_for(model))
+        while (message := channel.receive())[0] == "step":
+            step: StepMetadata = moved(message[1], device)
+            try:
+                with router.step(step) if router is not None else contextlib.nullcontext():
+                    run_step(channel, lambda step=step: local.prepare(step), lambda step=step: local.forward(step))
+                report.num_steps += 1
+            except Exception:  # rank 0 fails the step's requests; the worker carries on
+                report.num_failed_steps += 1
+    finally:
+        release()
     channel.outcome = message[1]
     report.kv_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.is_initialized)
     return report

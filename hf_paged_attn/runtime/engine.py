@@ -306,14 +306,17 @@ class ContinuousBatchingEngine(BatchAPI):
 
     def load_adapter(self, name: str, path: str | os.PathLike[str]) -> None:
         """Load the PEFT LoRA adapter saved at ``path`` as ``name`` (through PEFT's ``load_adapter``; a model
-        without one gets a ``PeftModel``); later requests may name it. ValueError for a name in use, an
-        engine with a compiled forward or CUDA graphs; NotImplementedError for an adapter ``lora.py`` refuses."""
-        if self.config.compile or self.config.cuda_graphs:
-            raise ValueError("LoRA adapters need eager forwards: an engine with compile=False, cuda_graphs=False")
+        without one gets a ``PeftModel``); later requests may name it. ValueError for a name in use or an engine
+        with CUDA graphs; NotImplementedError for an adapter ``lora.py`` refuses. A compiled forward compiles
+        again for the new adapters (``compiled.retire``), its steps eager meanwhile."""
+        if self.config.cuda_graphs:
+            raise ValueError("LoRA adapters can't run in CUDA graphs: an engine with cuda_graphs=False runs them")
+        self._check_one_process("load_adapter")
         if name == lora.BASE or name in self.adapters:
             raise ValueError(f"adapter name {name!r} is in use")
         self._peft = lora.load_adapter(self.model, self._peft, name, os.fspath(path))
         self.lora = self.worker.lora = lora.attach(self.model, marks_for(self.model))
+        self._adapters_changed()
         if name in self._adapters_loaded:  # K/V cached under an earlier adapter of that name is stale
             self.reset_prefix_cache()
         self._adapters_loaded.add(name)
@@ -321,11 +324,27 @@ class ContinuousBatchingEngine(BatchAPI):
     def unload_adapter(self, name: str) -> None:
         """Delete adapter ``name`` from the model (PEFT's ``delete_adapter``). RuntimeError while a live request
         runs under it; ValueError for a name the model does not hold."""
+        self._check_one_process("unload_adapter")
         if name not in self.adapters or self._peft is None:
             raise ValueError(f"unknown adapter {name!r}")
         if self.adapter_in_use(name):
             raise RuntimeError(f"adapter {name!r} has requests in flight")
         self._peft.delete_adapter(name)
+        self._adapters_changed()
+
+    def _check_one_process(self, what: str) -> None:
+        """An engine's adapter loads are rank 0's alone: on a tensor-parallel model every rank must hold them."""
+        if (getattr(self.model, "tp_size", None) or 1) > 1:
+            raise NotImplementedError(
+                f"engine.{what} on a tensor-parallel model: load or delete the adapter on every rank (PEFT's "
+                "load_adapter / delete_adapter), then build the engine"
+            )
+
+    def _adapters_changed(self) -> None:
+        if self.config.compile:  # the compiled forward holds the adapters it was traced with (``lora_rows.py``)
+            from .cpu.compiled import retire
+
+            retire(self.model)
 
     @property
     def adapters(self) -> set[str]:
@@ -477,11 +496,8 @@ class ContinuousBatchingEngine(BatchAPI):
 
 
 def _lora_config(model: torch.nn.Module, config: PagedConfig) -> PagedConfig:
-    """``config`` for a model with LoRA layers: eager forwards (a compiled forward or a CUDA graph would
-    freeze one step's adapter rows), one process (no tensor-parallel sharding of A and B yet)."""
-    if (getattr(model, "tp_size", None) or 1) > 1:
-        raise NotImplementedError("LoRA adapters on a tensor-parallel model are not supported by the paged engine")
-    for name in ("compile", "cuda_graphs"):
-        if getattr(config, name):
-            raise ValueError(f"PagedConfig.{name}=True cannot run LoRA adapters (their rows change every step)")
-    return config.replace(compile=False, cuda_graphs=False)
+    """``config`` for a model with LoRA layers: no CUDA graphs (a captured graph would freeze one step's adapter
+    rows; the compiled CPU forward takes them as an input, ``lora_rows.py``)."""
+    if config.cuda_graphs:
+        raise ValueError("PagedConfig.cuda_graphs=True cannot run LoRA adapters (their rows change every step)")
+    return config.replace(cuda_graphs=False)

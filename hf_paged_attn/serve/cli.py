@@ -190,7 +190,9 @@ def paged_config(args: argparse.Namespace) -> PagedConfig:
         fields["compile"] = False
     if args.speculative and not args.draft_model:
         fields["speculative"] = SpeculativeConfig.parse(args.speculative)
-    if lora_enabled(args):  # adapters' rows change every step: no compiled forward, no CUDA graphs
+    # A LoRA server runs eagerly: its adapters load and unload while it serves (LRU, load_inplace every RL step),
+    # and each change makes the compiled forward compile again (lora_rows.py); CUDA graphs can't run adapters.
+    if lora_enabled(args):
         fields.update(compile=False, cuda_graphs=False)
     return PagedConfig().replace(**fields)
 

@@ -65,6 +65,7 @@ from ...attention.forward import ForwardContext
 from ...attention.function import COMPILED, LAYER_INDEX
 from ...attention.step import StepMetadata
 from ...core.layers import LayerKinds
+from ..model import lora, lora_rows
 from ..model.marks import ModelMarks, marks_for, tensor_index
 from ..model.weights import fingerprint
 from . import linear_groups, packed_linear, sampled_rows
@@ -216,6 +217,12 @@ class CompiledModel:
     pack: bool = False  # the graph runs the bf16 linears on oneDNN-packed weights (``packed_linear``)
     model: weakref.ReferenceType[torch.nn.Module] | None = None
     marks: ModelMarks = field(default_factory=ModelMarks)  # what the graph needs on the model (``marks.py``)
+    # The LoRA layers' router, the adapter structure the graph holds and the slots its ``adapter_index`` numbers
+    # (``lora_rows.py``); None, (), {} for a model without LoRA layers.
+    lora: lora.LoraRouter | None = None
+    lora_key: lora_rows.Signature = ()
+    slots: dict[str, int] = field(default_factory=dict)
+    retired: bool = False  # the model's adapters changed (``retire``): engines make a new graph for them
 
     def start(self, device: torch.device, thread_counts: Sequence[int] = (), background: bool = True) -> None:
         """Compile in the background, once (later calls do nothing), one graph at the largest of
@@ -255,13 +262,14 @@ class CompiledModel:
             with torch.inference_mode():  # as the engine's steps are: dynamo guards on inference tensors
                 ids = torch.zeros(1, WARMUP_ROWS, dtype=torch.long, device=device)
                 positions, indices = ids.clone(), torch.arange(2, device=device)
+                adapters = torch.zeros_like(ids) if self.lora is not None else None  # every row the base model
             self.threads = max(thread_counts)
             torch.set_num_threads(self.threads)
             self.regions = keep_stampable(self.regions, self.marks)
             breaks = _graph_breaks()
             refused = None
             try:
-                run_graph(self, CompiledStep(None, None, self.modules, 0), ids, positions, indices)
+                run_graph(self, CompiledStep(None, None, self.modules, 0), ids, positions, indices, adapters)
             except Exception as exc:
                 if not self.regions or _EXITING:
                     raise
@@ -273,7 +281,7 @@ class CompiledModel:
                                "without", refused)  # fmt: skip
                 unmark_layer_regions(self.regions, self.marks)
                 self.regions = []
-                run_graph(self, CompiledStep(None, None, self.modules, 0), ids, positions, indices)
+                run_graph(self, CompiledStep(None, None, self.modules, 0), ids, positions, indices, adapters)
         except Exception as exc:
             self.failed = f"{type(exc).__name__}: {exc}"
             if _EXITING:
@@ -297,6 +305,11 @@ class CompiledModel:
         graph (``inductor_options``) reads the live ones, but is retired as well: whether dynamo's
         guards catch every replaced parameter was not checked."""
         return fingerprint(self.tensors) != self.weights
+
+    def adapters_changed(self) -> bool:
+        """Whether the model's LoRA adapters are no longer those the graph holds (``lora_rows.py``): one was
+        loaded or unloaded through an engine (``retire``), or a layer's adapters or scaling changed."""
+        return self.retired or (self.lora is not None and lora_rows.signature(self.lora.layers) != self.lora_key)
 
 
 _MODELS: weakref.WeakKeyDictionary[torch.nn.Module, CompiledModel] = weakref.WeakKeyDictionary()
@@ -400,10 +413,15 @@ def unmark_layer_regions(layers: list[torch.nn.Module], marks: ModelMarks) -> No
 
 
 def compiled_model(model: torch.nn.Module, windows: list[int | None]) -> CompiledModel | None:
-    """``model``'s compiled forward, made once per model (None: its layers can't be addressed)."""
+    """``model``'s compiled forward, made once per model and adapter structure (None: its layers can't be
+    addressed)."""
+    router = lora.attached(model)
+    lora_key = lora_rows.signature(router.layers) if router is not None else ()
     found = _MODELS.get(model)
-    if found is not None:
+    if found is not None and found.lora_key == lora_key and not found.adapters_changed():
         return found
+    if found is not None:  # a graph of other adapters: its regions (if any) go with it
+        unmark_layer_regions(found.regions, found.marks)
     modules = attention_modules(model)
     if modules is None or sorted(modules) != list(range(len(windows))):
         return None
@@ -413,10 +431,19 @@ def compiled_model(model: torch.nn.Module, windows: list[int | None]) -> Compile
     pack = packed_linear.wanted(model, bool(INDUCTOR_OPTIONS.get("freezing")))
     route = packed_linear.RoutePackedLinears if pack else contextlib.nullcontext
 
-    def forward(input_ids: torch.Tensor, position_ids: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+    def forward(
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        logits_indices: torch.Tensor,
+        adapter_index: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if router is not None:  # the LoRA layers read the rows' adapters from the router while traced
+            router.index = adapter_index
         with route():  # traced away: the graph calls hf_paged_attn::packed_linear where F.linear was
             out = model_ref()(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True,
                               paged_forward=COMPILED, logits_to_keep=logits_indices)  # fmt: skip
+        if router is not None:
+            router.index = None
         return out.logits[0]
 
     # The op's layer index as a graph input (``function.LAYER_INDEX``), a buffer while the marks are open:
@@ -432,8 +459,17 @@ def compiled_model(model: torch.nn.Module, windows: list[int | None]) -> Compile
     tensors += [t for m in modules.values() if (t := marks.get(m, LAYER_INDEX)) is not None and _absent(t, tensors)]
     graph = torch.compile(forward, backend=_backend)
     found = _MODELS[model] = CompiledModel(graph, modules, tensors, pack=pack, model=model_ref, regions=regions,
-                                           marks=marks)  # fmt: skip
+                                           marks=marks, lora=router, lora_key=lora_key,
+                                           slots=router.slots if router is not None else {})  # fmt: skip
     return found
+
+
+def retire(model: torch.nn.Module) -> None:
+    """``model``'s adapters changed (an engine loaded or unloaded one): its compiled forward is retired, and each
+    compiled engine on it makes a new one for the adapters it now has (``compiled_model``)."""
+    found = _MODELS.pop(model, None)
+    if found is not None:
+        found.retired = True
 
 
 def _absent(tensor: torch.Tensor, tensors: list[torch.Tensor]) -> bool:
@@ -447,14 +483,19 @@ def run_graph(
     input_ids: torch.Tensor,
     position_ids: torch.Tensor,
     logits_indices: torch.Tensor,
+    adapter_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The compiled forward on [1, M] ids and positions (M >= 2, ``step.num_tokens`` of them real) and
     ``logits_indices`` [S >= 2]: logits [S, vocab] as the model returns them. The token and sampled
     counts are dynamic: dynamo specialises sizes 0 and 1, which callers pad away. The graph runs with
-    torch's thread count at the call, whatever count it was compiled at (``STEP_THREADS``)."""
+    torch's thread count at the call, whatever count it was compiled at (``STEP_THREADS``). A model with
+    LoRA layers takes each row's adapter, ``adapter_index`` [1, M] (``lora_rows.row_index``)."""
     torch_private.mark_dynamic(input_ids, 1)
     torch_private.mark_dynamic(position_ids, 1)
     torch_private.mark_dynamic(logits_indices, 0)
+    lora_args = () if adapter_index is None else (adapter_index,)
+    if adapter_index is not None:
+        torch_private.mark_dynamic(adapter_index, 1)
     # Once the graph exists, dynamo checks only the guards that tell graphs apart, not every
     # parameter and attribute of the model (0.2-0.4 ms a step here).
     skip = compiled.ready.is_set()
@@ -469,12 +510,12 @@ def run_graph(
         with torch_private.compile_settings(INDUCTOR_OPTIONS):
             try:
                 with stance:
-                    return compiled.forward(input_ids, position_ids, logits_indices)
+                    return compiled.forward(input_ids, position_ids, logits_indices, *lora_args)
             except RuntimeError as exc:  # a step the graph's guards reject: compile for it, checking every guard
                 if not skip or "skip_guard_eval_unsafe" not in str(exc):
                     raise
                 logger.info("hf_paged_attn: a step needs another graph (%s)", exc)
-                return compiled.forward(input_ids, position_ids, logits_indices)
+                return compiled.forward(input_ids, position_ids, logits_indices, *lora_args)
     finally:
         COMPILED_STEP.reset(token)
         if threads_token is not None:
@@ -535,6 +576,10 @@ class CompiledExecutor:
             if self.compiled.num_eager_steps >= COMPILE_AFTER_STEPS:  # a run long enough to pay for it
                 self.compiled.start(step.input_ids.device, self.thread_counts)
             return self._eager(step)
+        if self.compiled.adapters_changed():  # a graph for the adapters the model holds now, compiled as at start
+            logger.info("hf_paged_attn: the model's LoRA adapters changed: its forward compiles again for them")
+            self.compiled = compiled_model(self.eager.model, self.layers.windows)
+            return self.execute(step)
         if self.compiled.stale():
             if self.compiled.pack:  # the graph that multiplied by the packed copies is retired: free them
                 packed_linear.unpack(self.eager.model)
@@ -560,10 +605,13 @@ class CompiledExecutor:
         num_sampled = indices.numel()
         if num_sampled < 2:
             indices = torch.nn.functional.pad(indices, (0, 2 - num_sampled))
+        adapters = None  # [1, M]: each row's adapter slot, for a model with LoRA layers
+        if self.compiled.lora is not None:
+            adapters = lora_rows.row_index(step, self.compiled.slots, input_ids.shape[1])
         context = ForwardContext(step, self.eager.backend)
         with self.eager.cache.forward(context):
             logits = run_graph(self.compiled, CompiledStep(context, self.eager.cache, self.compiled.modules, n),
-                               input_ids, position_ids, indices)  # fmt: skip
+                               input_ids, position_ids, indices, adapters)  # fmt: skip
         self.num_compiled_steps += 1
         return logits[:num_sampled].float()
 

@@ -9,6 +9,13 @@ SGMV as a loop over the step's adapters, in torch). The layer's own weights and 
 every step, so PEFT's rank per adapter, ``lora_alpha``/``use_rslora`` scaling, ``rank_pattern`` and
 target modules that differ between adapters hold as they do in PEFT; dropout is off, as at inference.
 
+On a tensor-parallel model (``tp_plan="auto"``) PEFT already shards each adapter as its base weight is
+sharded, and puts transformers' parallel forwards on ``lora_A`` / ``lora_B``: under a column-parallel base
+(q/k/v, gate/up) B holds this rank's output rows; under a row-parallel base (o, down) A holds its input
+columns and all-reduces ``A x`` ([rows, r]). Calling those modules, as the router does, runs each rank's
+shard; every rank runs the same row groups (the step is broadcast) and so the same collectives in the
+same order. A base layer of another tensor-parallel style is refused (``lora_layers``).
+
 What PEFT can do and this can't is refused by name when the engine starts (``lora_layers``): other
 tuners than LoRA, LoRA variants (DoRA, aLoRA, ...), LoRA on other layers than ``nn.Linear``, merged
 adapters, ``modules_to_save`` and trainable tokens.
@@ -27,9 +34,13 @@ from collections.abc import Iterator
 import torch
 
 from ...attention.step import StepMetadata
-from .marks import ModelMarks
+from . import lora_rows
+from .marks import ModelMarks, marks_for
 
 BASE = "__base__"  # PEFT's name of "no adapter" in generate(adapter_names=)
+# transformers' tensor-parallel styles whose LoRA layers PEFT shards (and we run): their output is this rank's
+# slice of the features (colwise) or the all-reduced sum (rowwise), as the base layer's
+TP_STYLES = ("colwise", "rowwise")
 
 # What a row group is: an adapter's name and its rows of the packed step (a slice where they are one run).
 Rows = slice | torch.Tensor
@@ -86,6 +97,12 @@ def lora_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
                 f"{name} has merged adapter(s) {module.merged_adapters}: unmerge_adapter() first, or "
                 "merge_and_unload() and serve the merged model without adapters"
             )
+        plan = getattr(module.get_base_layer(), "_hf_tp_plan", None)
+        if getattr(module.get_base_layer(), "_hf_device_mesh", None) is not None and plan not in TP_STYLES:
+            raise NotImplementedError(
+                f"{name} is sharded with tp_plan {plan!r}: LoRA on a tensor-parallel model runs on layers of "
+                f"the {' and '.join(TP_STYLES)} styles only"
+            )
         for adapter, variant in module.lora_variant.items():
             raise NotImplementedError(
                 f"adapter {adapter!r} is a LoRA variant ({type(variant).__name__}: DoRA, aLoRA, ...) at {name}, "
@@ -120,11 +137,18 @@ class LoraRouter:
     def __init__(self) -> None:
         self.layers: list[torch.nn.Module] = []
         self.groups: list[tuple[str, Rows]] | None = None  # None: no engine step is running
+        # While the compiled forward traces: its ``adapter_index`` input [1, N] (``lora_rows.py``); else None.
+        self.index: torch.Tensor | None = None
 
     @property
     def adapters(self) -> set[str]:
         """Every adapter some LoRA layer holds."""
         return {name for layer in self.layers for name in layer.lora_A.keys()}
+
+    @property
+    def slots(self) -> dict[str, int]:
+        """Each adapter's number in the compiled forward's ``adapter_index`` (``lora_rows.adapter_slots``)."""
+        return lora_rows.adapter_slots(self.adapters)
 
     @contextlib.contextmanager
     def step(self, step: StepMetadata) -> Iterator[None]:
@@ -150,6 +174,16 @@ def attach(model: torch.nn.Module, marks: ModelMarks) -> LoraRouter | None:
         if marks.get(layer, "forward") is None:
             marks.put(layer, "forward", functools.partial(_forward, router, layer))
     return router
+
+
+def attached(model: torch.nn.Module) -> LoraRouter | None:
+    """The router an engine attached to ``model``'s LoRA layers (``attach``), or None."""
+    marks = marks_for(model)
+    for layer in lora_layers(model):
+        found = marks.get(layer, "forward")
+        if isinstance(found, functools.partial) and found.func is _forward:
+            return found.args[0]
+    return None
 
 
 def row_groups(step: StepMetadata) -> list[tuple[str, Rows]]:
@@ -179,7 +213,10 @@ def row_groups(step: StepMetadata) -> list[tuple[str, Rows]]:
 
 def _forward(router: LoraRouter, layer: torch.nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """A LoRA layer's forward inside the engine: the base layer, plus each adapter's ``scaling * B(A(x))``
-    on its rows. Outside an engine step (a caller's own forward while an engine is open) PEFT's."""
+    on its rows. Outside an engine step (a caller's own forward while an engine is open) PEFT's. While the
+    compiled forward traces it, the graph's form, whose rows' adapters are a graph input (``lora_rows.py``)."""
+    if torch.compiler.is_compiling() and router.index is not None:
+        return lora_rows.masked_forward(layer, router.slots, router.index, x, *args, **kwargs)
     groups = router.groups
     if groups is None:
         return type(layer).forward(layer, x, *args, **kwargs)
@@ -193,7 +230,8 @@ def _forward(router: LoraRouter, layer: torch.nn.Module, x: torch.Tensor, *args,
         if adapter not in layer.lora_A:  # the adapter does not target this module
             continue
         lora_a, lora_b = layer.lora_A[adapter], layer.lora_B[adapter]
-        delta = lora_b(lora_a(flat_x[rows].to(lora_a.weight.dtype))) * layer.scaling[adapter]  # [rows, out]
+        # [rows, out] (a tensor-parallel rank: its slice of out where the base is column-parallel; see the docstring)
+        delta = lora_b(lora_a(flat_x[rows].to(lora_a.weight.dtype))) * layer.scaling[adapter]
         if isinstance(rows, slice):
             flat[rows] += delta.to(flat.dtype)
         else:

@@ -225,3 +225,24 @@ def test_other_peft_adapters_are_refused(llama_dir):
     model = get_peft_model(base, IA3Config(target_modules=["q_proj", "down_proj"], feedforward_modules=["down_proj"]))
     with pytest.raises(NotImplementedError, match="IA3 adapter: the paged engine runs LoRA adapters only"):
         ContinuousBatchingEngine(model.eval(), PagedConfig(block_size=4, num_blocks=16))
+
+
+def test_tensor_parallel_styles_other_than_colwise_and_rowwise_are_refused(llama_dir):
+    """PEFT shards LoRA only under transformers' colwise and rowwise styles (the attributes its TP code reads)."""
+    base = AutoModelForCausalLM.from_pretrained(llama_dir, attn_implementation="paged")
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"])).eval()
+    q_proj = model.get_base_model().model.layers[0].self_attn.q_proj.get_base_layer()
+    q_proj._hf_device_mesh, q_proj._hf_tp_plan = object(), "colwise_gather_output"
+    with pytest.raises(NotImplementedError, match="sharded with tp_plan 'colwise_gather_output'"):
+        ContinuousBatchingEngine(model, PagedConfig(block_size=4, num_blocks=16))
+
+
+def test_engine_adapter_loads_are_refused_on_a_tensor_parallel_model(llama_dir, adapter_dirs, monkeypatch):
+    """Rank 0's engine can't load an adapter on the other ranks: every rank loads it through PEFT instead."""
+    base = AutoModelForCausalLM.from_pretrained(llama_dir, attn_implementation="paged").eval()
+    with ContinuousBatchingEngine(base, PagedConfig(block_size=4, num_blocks=16)) as engine:
+        with monkeypatch.context() as patch:  # the size from_pretrained(tp_plan="auto") gives; built in one process
+            patch.setattr(type(base), "tp_size", property(lambda self: 2))
+            with pytest.raises(NotImplementedError, match="engine.load_adapter on a tensor-parallel model"):
+                engine.load_adapter("x", adapter_dirs["a"])
+        assert engine.adapters == set()
