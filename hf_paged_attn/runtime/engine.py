@@ -292,9 +292,9 @@ class ContinuousBatchingEngine(BatchAPI):
         return num_loaded
 
     def weights_changed(self, replaced: bool = True) -> None:
-        """The model's weights changed (the engine notices changes by torch ops and replaced tensors itself
-        before each step; call this after writes it cannot see, through ``p.data``): no later request reuses
-        a prefix cached before, and ``replaced`` tensors get CUDA graphs captured anew. Requests in flight keep
+        """The model's weights changed (the engine notices changes by torch ops and replaced tensors itself when
+        it starts work after being idle; call this for changes while requests run, or writes through ``p.data``):
+        no later request reuses a prefix cached before, and ``replaced`` tensors get CUDA graphs captured anew. Requests in flight keep
         the K/V they computed (as transformers' continuous batching does); ``load_weights`` recomputes them."""
         self.reset_prefix_cache()
         if replaced and self.device.type == "cuda":
@@ -411,9 +411,10 @@ class ContinuousBatchingEngine(BatchAPI):
     def step(self) -> list[RequestOutput]:
         """One scheduler iteration: returns the requests that produced tokens or finished."""
         start = time.perf_counter()
-        changed, replaced = self._weights.changed()
-        if changed:  # before scheduling: no request admitted now may reuse K/V of the old weights
-            self.weights_changed(replaced)
+        if not self.scheduler.has_work:  # idle until now: the caller may have changed the weights meanwhile
+            changed, replaced = self._weights.changed()  # (~3 us a tensor: once per burst of work, not per step)
+            if changed:  # before scheduling: no request admitted now may reuse K/V of the old weights
+                self.weights_changed(replaced)
         outputs = self._take_intake()
         self.speculator.plan(self.scheduler.running)  # speculative decoding: each decode's lookahead
         plan = self.scheduler.schedule()

@@ -22,14 +22,15 @@ def fingerprint(tensors: Iterable[torch.Tensor | None]) -> tuple[int, int]:
 
 
 class WeightsWatch:
-    """Notices, between two steps, that a model's weights changed since the last look: in place by torch ops
-    (an optimizer step, ``load_state_dict``, ``p.add_`` under ``no_grad``: the version counters move) or
+    """Notices that a model's weights changed since the last look (the engine looks when it starts work after
+    being idle: weights changed under requests in flight are the caller's to announce, ``weights_changed``):
+    in place by torch ops (an optimizer step, ``load_state_dict``, ``p.add_`` under ``no_grad``: the version counters move) or
     replaced (``p.data = new`` as DeepSpeed ZeRO-3 gathers do, ``load_state_dict(assign=True)``,
     ``model.to(dtype)``: the data pointers move). A write through ``p.data`` (``p.data.copy_(...)``) moves
     neither, and no check short of reading the values sees it; ``engine.load_weights`` is the way for those.
 
-    The parameters and buffers are read afresh at every look (a module added since, a LoRA adapter, counts);
-    ~1 us a tensor, a fraction of a percent of a step."""
+    The parameters and buffers are read afresh at every look (a module added since, a LoRA adapter, counts):
+    ~3 us a tensor, 0.6 ms for 219 tensors, so once per burst of work rather than at every step."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._model = model
