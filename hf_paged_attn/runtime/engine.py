@@ -294,8 +294,9 @@ class ContinuousBatchingEngine(BatchAPI):
     def weights_changed(self, replaced: bool = True) -> None:
         """The model's weights changed (the engine notices changes by torch ops and replaced tensors itself when
         it starts work after being idle; call this for changes while requests run, or writes through ``p.data``):
-        no later request reuses a prefix cached before, and ``replaced`` tensors get CUDA graphs captured anew. Requests in flight keep
-        the K/V they computed (as transformers' continuous batching does); ``load_weights`` recomputes them."""
+        no later request reuses a prefix cached before, and ``replaced`` tensors get CUDA graphs captured anew.
+        Requests in flight keep the K/V they computed (as transformers' continuous batching does);
+        ``load_weights`` recomputes them."""
         self.reset_prefix_cache()
         if replaced and self.device.type == "cuda":
             self.executor.close()  # graphs hold the old tensors' addresses: captured again at the next decode

@@ -24,8 +24,8 @@ def fingerprint(tensors: Iterable[torch.Tensor | None]) -> tuple[int, int]:
 class WeightsWatch:
     """Notices that a model's weights changed since the last look (the engine looks when it starts work after
     being idle: weights changed under requests in flight are the caller's to announce, ``weights_changed``):
-    in place by torch ops (an optimizer step, ``load_state_dict``, ``p.add_`` under ``no_grad``: the version counters move) or
-    replaced (``p.data = new`` as DeepSpeed ZeRO-3 gathers do, ``load_state_dict(assign=True)``,
+    in place by torch ops (an optimizer step, ``load_state_dict``, ``p.add_`` under ``no_grad``: the version
+    counters move) or replaced (``p.data = new`` as DeepSpeed ZeRO-3 gathers do, ``load_state_dict(assign=True)``,
     ``model.to(dtype)``: the data pointers move). A write through ``p.data`` (``p.data.copy_(...)``) moves
     neither, and no check short of reading the values sees it; ``engine.load_weights`` is the way for those.
 
