@@ -30,7 +30,12 @@ from typing import Any
 
 from .. import PagedConfig, SpeculativeConfig
 from .limits import CHARS_PER_TOKEN, DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DRAIN_GRACE_S, MAX_HEADER_BYTES
-from .openai.images import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES
+from .openai.images import (
+    DEFAULT_FETCH_TIMEOUT_S,
+    DEFAULT_MAX_IMAGE_BYTES,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    DEFAULT_MAX_IMAGES,
+)
 
 logger = logging.getLogger("hf_paged_attn.serve")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -75,6 +80,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     lim.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
                      help="largest image (width x height) in a chat request; larger ones get 413 "
                           "(default: %(default)s)")
+    lim.add_argument("--allowed-media-domains", nargs="+", metavar="HOST", default=[],
+                     help="hosts whose http(s):// image URLs the server fetches (vLLM's flag; default: none, only "
+                          "data: URLs); no redirects are followed")
+    lim.add_argument("--image-fetch-timeout", type=float, default=DEFAULT_FETCH_TIMEOUT_S, metavar="S",
+                     help="seconds to fetch one image URL, all of it; then 400 (default: %(default)s)")
+    lim.add_argument("--max-image-bytes", type=int, default=DEFAULT_MAX_IMAGE_BYTES,
+                     help="largest fetched image in bytes; larger ones get 413 (default: %(default)s = 16 MiB)")
     lim.add_argument("--http", choices=("auto", "httptools", "h11"), default="auto",
                      help="uvicorn's HTTP parser: httptools (auto, when installed) is faster; h11 caps request "
                           f"headers at {MAX_HEADER_BYTES // 1024} KiB (431 past it), httptools has no cap")
@@ -304,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         tool_call_parser=args.tool_call_parser, rl_endpoints=args.enable_rl_endpoints,
         lora_updates=args.enable_lora,
         max_images=args.limit_mm_per_prompt, max_image_pixels=args.max_image_pixels,
+        allowed_media_domains=tuple(args.allowed_media_domains), image_fetch_timeout=args.image_fetch_timeout,
+        max_image_bytes=args.max_image_bytes,
     )
     app = build_app(engine, tokenizer, settings, adapters, processor=load_processor(args.model, engine.model))
     sock = bind(args.host, args.port)

@@ -41,7 +41,15 @@ from ..outputs.tool_parser import FORMATS, ToolCallFormat, ToolCallStream, detec
 from ..outputs.tools import NamedToolChoice, forced_grammar, template_tools
 from .body import check_content_type, parse_json, read_body
 from .chat import chat_prompt_ids, control_strings
-from .images import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES, decode_image, image_prompt
+from .images import (
+    DEFAULT_FETCH_TIMEOUT_S,
+    DEFAULT_MAX_IMAGE_BYTES,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    DEFAULT_MAX_IMAGES,
+    MediaLimits,
+    decode_image,
+    image_prompt,
+)
 from .protocol import ChatCompletionRequest, CompletionRequest, parse
 from .tokenization import (
     DetokenizeRequest,
@@ -71,17 +79,30 @@ class ServeSettings:
     lora_updates: bool = False
     max_images: int = DEFAULT_MAX_IMAGES  # images in one chat request (more: 400)
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # width x height of one image (more: 413)
+    # hosts whose http(s) image URLs are fetched (vLLM's --allowed-media-domains); none: data: URLs only
+    allowed_media_domains: tuple[str, ...] = ()
+    image_fetch_timeout: float = DEFAULT_FETCH_TIMEOUT_S  # seconds for one fetched image, all of it
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES  # of one fetched image (more: 413)
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in ("auto", *FORMATS):
             raise ValueError(f"tool_call_parser must be auto, {', '.join(FORMATS)}; got {self.tool_call_parser!r}")
-        for name in ("max_queue", "max_body_bytes", "max_image_pixels"):
+        self.allowed_media_domains = tuple(d.lower() for d in self.allowed_media_domains)
+        if not self.image_fetch_timeout > 0:
+            raise ValueError(f"image_fetch_timeout must be > 0, got {self.image_fetch_timeout}")
+        for name in ("max_queue", "max_body_bytes", "max_image_pixels", "max_image_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
             raise ValueError(f"max_prompt_chars must be >= 1 or None, got {self.max_prompt_chars}")
         if self.body_timeout is not None and not self.body_timeout > 0:
             raise ValueError(f"body_timeout must be > 0 or None, got {self.body_timeout}")
+
+
+    @property
+    def media(self) -> MediaLimits:
+        return MediaLimits(self.max_image_pixels, self.allowed_media_domains, self.image_fetch_timeout,
+                           self.max_image_bytes)
 
 
 class Handlers:
@@ -238,14 +259,19 @@ class Handlers:
         if len(urls) > self.settings.max_images:
             raise APIError(400, f"a request may hold at most {self.settings.max_images} images; this one has "
                            f"{len(urls)}", "messages", "too_many_images")  # fmt: skip
+        template = self.image_template()
+        images = [decode_image(url, self.settings.media) for url in urls]
+        messages = [m.for_template() for m in req.messages]
+        return image_prompt(self.processor, template, messages, images, control_strings(self.tokenizer))
+
+    def image_template(self) -> str:
+        """The chat template of chats with images: the server's, else the processor's, else the tokenizer's."""
         template = self.settings.chat_template or getattr(self.processor, "chat_template", None)
         template = template or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise APIError(400, "this model has no chat template; start the server with --chat-template FILE",
                            "messages", "no_chat_template")
-        images = [decode_image(url, self.settings.max_image_pixels) for url in urls]
-        messages = [m.for_template() for m in req.messages]
-        return image_prompt(self.processor, template, messages, images, control_strings(self.tokenizer))
+        return template
 
     def _tokenize(self, data: bytes) -> dict[str, Any]:
         req = parse_tokenize(parse_json(data), self.limits)
