@@ -169,6 +169,16 @@ class MultimodalInputs:
         """Whether ``model``'s config names an image token (a vision-language model)."""
         return image_token_id(model.config) is not None
 
+    @staticmethod
+    def image_token(model: torch.nn.Module) -> int | None:
+        """The placeholder token id of ``model``'s images, or None (a text model)."""
+        return image_token_id(model.config)
+
+    @staticmethod
+    def split(model: torch.nn.Module, prompts: Sequence[Sequence[int]], inputs: Mapping) -> list[list[Image]]:
+        """``split_images``: each prompt's images out of a processor's batch outputs."""
+        return split_images(model, prompts, inputs)
+
     @classmethod
     def build(cls, model: torch.nn.Module, prompt: Sequence[int], images: list[Image]) -> MultimodalInputs:
         ids = torch.tensor(prompt)

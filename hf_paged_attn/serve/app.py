@@ -32,6 +32,7 @@ from .openai.body import parse_json
 from .openai.handlers import Handlers, ServeSettings
 from .openai.protocol import ChatCompletionRequest, CompletionRequest, parse
 from .openai.tokenization import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
+from .openai.tokens import GenerateRequest, TokenRoutes
 
 logger = logging.getLogger("hf_paged_attn.serve")
 STOP_TIMEOUT_S = 10.0  # for the engine thread to carry out the last aborts at shutdown
@@ -132,6 +133,20 @@ def build_app(
     async def chat_completions(request: Request) -> Any:
         check_key(request)
         return await handlers.chat(request)
+
+    tokens = TokenRoutes(handlers)
+
+    @app.post("/v1/chat/completions/render")
+    @guarded
+    async def render_chat(request: Request) -> Any:
+        check_key(request)
+        return await tokens.render(request)
+
+    @app.post("/inference/v1/generate")
+    @guarded
+    async def generate_tokens(request: Request) -> Any:
+        check_key(request)
+        return await tokens.generate(request)
 
     @app.post("/tokenize")
     @guarded
@@ -287,6 +302,13 @@ COMPLETION_ANSWER = {"description": "the completion (JSON), or server-sent event
 REQUEST_MODELS: dict[str, tuple[tuple[type, ...], dict[str, Any]]] = {
     "/v1/completions": ((CompletionRequest,), COMPLETION_ANSWER),
     "/v1/chat/completions": ((ChatCompletionRequest,), COMPLETION_ANSWER),
+    "/v1/chat/completions/render": ((ChatCompletionRequest,), {
+        "description": "vLLM's GenerateRequest for /inference/v1/generate: {request_id, token_ids, features, "
+                       "sampling_params, model, ...}",
+        "content": {"application/json": {"schema": {"type": "object"}}}}),
+    "/inference/v1/generate": ((GenerateRequest,), {
+        "description": "{request_id, choices: [{index, token_ids, logprobs, finish_reason}], prompt_logprobs, usage}",
+        "content": {"application/json": {"schema": {"type": "object"}}}}),
     "/tokenize": ((TokenizeCompletionRequest, TokenizeChatRequest), {
         "description": '{"count", "max_model_len", "tokens", "token_strs"}: the prompt\'s token ids (a chat\'s: '
                        'those /v1/chat/completions would run)', "content": {"application/json": {"schema": {
