@@ -161,8 +161,12 @@ class MultimodalInputs:
     rope_delta: int = 0
     embeds: torch.Tensor | None = None
     num_encodes: int = 0  # how many times the encoder ran for it (once, unless preempted mid-prefill)
+    end: int = dataclasses.field(init=False)  # the position after its last image token
     # the processor outputs ``add_request`` takes as a prompt's images (the server passes these on)
     INPUT_NAMES: ClassVar[tuple[str, ...]] = IMAGE_INPUTS + DERIVED_INPUTS
+
+    def __post_init__(self) -> None:
+        self.end = int(self.positions[-1]) + 1 if self.positions.numel() else 0
 
     @staticmethod
     def takes_images(model: torch.nn.Module) -> bool:
@@ -216,20 +220,39 @@ def _rope_index(model: torch.nn.Module):  # noqa: ANN202 - the model's own bound
     return None
 
 
-def encode(model: torch.nn.Module, mm: MultimodalInputs) -> torch.Tensor:
-    """The image features of ``mm``'s images, [num_image_tokens, hidden], from the model's own
-    ``get_image_features`` (vision tower and projector)."""
+def encode(model: torch.nn.Module, mms: Sequence[MultimodalInputs]) -> None:
+    """Sets each request's ``embeds`` ([num_image_tokens, hidden]) from the model's own ``get_image_features``
+    (vision tower and projector), in one call for all of ``mms`` where their inputs stack (the requests a step
+    admits: one batched tower run instead of one per request, as sdpa's padded ``generate`` runs it)."""
+    if len(mms) > 1:
+        try:
+            inputs = {k: torch.cat([mm.encoder_inputs()[k] for mm in mms]) for k in mms[0].images[0].inputs}
+        except (RuntimeError, KeyError):  # other shapes or other inputs: one request at a time
+            inputs = None
+        if inputs is not None:
+            features = _image_features(model, inputs)
+            sizes = [mm.positions.numel() for mm in mms]
+            if features.shape[0] == sum(sizes):
+                for mm, part in zip(mms, features.split(sizes)):
+                    mm.embeds, mm.num_encodes = part, mm.num_encodes + 1
+                return
+    for mm in mms:
+        features = _image_features(model, mm.encoder_inputs())
+        if features.shape[0] != mm.positions.numel():
+            raise ValueError(f"the encoder gave {features.shape[0]} image features for {mm.positions.numel()} image "
+                             "tokens")  # fmt: skip
+        mm.embeds, mm.num_encodes = features, mm.num_encodes + 1
+
+
+def _image_features(model: torch.nn.Module, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """``get_image_features`` of ``inputs`` (one or more images), [num_image_tokens, hidden]."""
     device, dtype = input_device(model), next(model.parameters()).dtype
-    inputs = {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in mm.encoder_inputs().items()}
+    inputs = {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in inputs.items()}
     out = model.get_image_features(**inputs, return_dict=True)
     features = getattr(out, "pooler_output", out)
     if isinstance(features, (list, tuple)):
         features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
-    features = features.reshape(-1, features.shape[-1])  # [num_image_tokens, hidden]
-    if features.shape[0] != mm.positions.numel():
-        raise ValueError(f"the encoder gave {features.shape[0]} image features for {mm.positions.numel()} image tokens")
-    mm.num_encodes += 1
-    return features
+    return features.reshape(-1, features.shape[-1])
 
 
 class MultimodalSteps:
@@ -242,9 +265,16 @@ class MultimodalSteps:
     def prepare(self, step: StepMetadata, scheduled: list[ScheduledRequest]) -> StepMetadata:
         """``step`` with ``inputs_embeds`` where a chunk feeds image tokens and 3-D positions where an
         M-RoPE request runs. Read before the step is committed (``num_computed_tokens``: each chunk's start)."""
-        rows = [(i, s) for i, s in enumerate(scheduled) if s.request.multimodal is not None]
+        rows = []  # (row, scheduled) of the requests whose chunk needs more than its ids and 1-D positions
+        for i, s in enumerate(scheduled):
+            mm = s.request.multimodal
+            if mm is not None and (self.is_mrope or s.request.num_computed_tokens < mm.end):
+                rows.append((i, s))  # (a prefill past its last image token is text: the common decode step)
         if not rows:
             return step
+        feeding = {id(s): self._inside(s) for _, s in rows}
+        encode(self.model, [s.request.multimodal for _, s in rows
+                            if s.request.multimodal.embeds is None and feeding[id(s)].any()])  # fmt: skip
         embeds, positions = None, step.position_ids
         if self.is_mrope:
             positions = positions.unsqueeze(0).expand(3, -1, -1).clone()  # [3, 1, N]
@@ -254,18 +284,22 @@ class MultimodalSteps:
             start, n, first_row = s.request.num_computed_tokens, s.num_new_tokens, row_starts[i]
             if self.is_mrope:
                 positions[:, 0, first_row : first_row + n] = _mrope_positions(mm, start, n).to(positions.device)
-            inside = (mm.positions >= start) & (mm.positions < start + n)
+            inside = feeding[id(s)]
             if not inside.any():
                 continue
-            if mm.embeds is None:
-                mm.embeds = encode(self.model, mm)
             if embeds is None:
                 embeds = self.model.get_input_embeddings()(step.input_ids)  # [1, N, hidden]
             at = (mm.positions[inside] - start + first_row).to(embeds.device)
             embeds[0, at] = mm.embeds[inside.to(mm.embeds.device)].to(embeds.dtype)
-            if int(mm.positions[-1]) < start + n:  # the last image token is fed: the features are consumed
+            if mm.end <= start + n:  # the last image token is fed: the features are consumed
                 mm.embeds = None
         return dataclasses.replace(step, inputs_embeds=embeds, position_ids=positions)
+
+    @staticmethod
+    def _inside(s: ScheduledRequest) -> torch.Tensor:
+        """Which of the request's image tokens its chunk feeds: [num_image_tokens] bool."""
+        positions, start = s.request.multimodal.positions, s.request.num_computed_tokens
+        return (positions >= start) & (positions < start + s.num_new_tokens)
 
 
 def _mrope_positions(mm: MultimodalInputs, start: int, n: int) -> torch.Tensor:

@@ -134,3 +134,19 @@ def test_block_extra_names_the_images_a_block_holds():
     assert request.block_extra(4, 8) == b""
     assert request.block_extra(8, 12) == (9).to_bytes(8, "little") + b"B"
     assert Request("t", [1, 2], 4, None, arrival=0).block_extra(0, 4) == b""
+
+
+def test_requests_admitted_together_run_the_tower_once(vlm, monkeypatch):
+    """Three requests whose prefills reach their images in one step: one batched vision-tower call, and each
+    request's tokens equal sdpa's on its own prompt."""
+    engine = ContinuousBatchingEngine(vlm.model, PagedConfig(block_size=4, num_blocks=128, max_batch_tokens=512))
+    prompts = [engine_inputs(vlm, seed=seed) for seed in (3, 4, 5)]
+    calls = []
+    tower = vlm.model.get_image_features
+    monkeypatch.setattr(vlm.model, "get_image_features", lambda **kw: calls.append(1) or tower(**kw))
+    rids = [engine.add_request(ids, max_new_tokens=NEW, **images) for ids, images in prompts]
+    finals = {o.request_id: o for o in engine.stream() if o.finished}
+    assert len(calls) == 1
+    for rid, (ids, images) in zip(rids, prompts):
+        want = sdpa_generate(vlm.model, {"input_ids": torch.tensor([ids]), **images})[0, len(ids) :]
+        assert finals[rid].output_ids == want.tolist()
