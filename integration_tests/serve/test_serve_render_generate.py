@@ -59,17 +59,20 @@ def test_render_then_generate_equals_sdpa(vlm):
 
 
 def test_generate_from_token_ids_alone(vlm):
-    """Text only, vLLM's defaults: max_tokens absent is the rest of the context (capped by the generation config)."""
+    """Text only, with vLLM's sampling fields (stop_token_ids: the stop token kept, finish_reason "stop")."""
     ids = vlm.tokenizer("user: hello\nassistant:")["input_ids"]
 
     async def scenario(client):
         body = {"token_ids": ids, "sampling_params": {"temperature": 0, "max_tokens": 3, "skip_special_tokens": True}}
-        return (await client.post("/inference/v1/generate", json=body)).json()
+        first = (await client.post("/inference/v1/generate", json=body)).json()
+        body["sampling_params"]["stop_token_ids"] = [first["choices"][0]["token_ids"][1]]  # vLLM's: kept, then stop
+        return first, (await client.post("/inference/v1/generate", json=body)).json()
 
-    answer = serve(vlm, scenario)
+    answer, stopped = serve(vlm, scenario)
     with torch.no_grad():
         want = vlm.model.generate(torch.tensor([ids]), max_new_tokens=3, do_sample=False)[0, len(ids) :].tolist()
     assert answer["choices"][0]["token_ids"] == want and answer["choices"][0]["logprobs"] is None
+    assert stopped["choices"][0]["token_ids"] == want[:2] and stopped["choices"][0]["finish_reason"] == "stop"
 
 
 def _broken(rendered: dict) -> dict[str, tuple[dict, int]]:
@@ -86,6 +89,8 @@ def _broken(rendered: dict) -> dict[str, tuple[dict, int]]:
         "no sampling_params": (edit(lambda b: b.pop("sampling_params")), 400),
         "token id past the vocabulary": (edit(lambda b: b["token_ids"].append(10**6)), 400),
         "unknown sampling param": (edit(lambda b: b["sampling_params"].update(best_of_n=3)), 400),
+        "stop_token_ids past the vocabulary": (edit(lambda b: b["sampling_params"].update(stop_token_ids=[10**6])),
+                                               400),
         "prompt inside sampling_params": (edit(lambda b: b["sampling_params"].update(prompt=[1, 2])), 400),
         "stream": (edit(lambda b: b.update(stream=True)), 400),
         "kv_transfer_params": (edit(lambda b: b.update(kv_transfer_params={"x": 1})), 400),

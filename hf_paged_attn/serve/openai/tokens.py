@@ -34,6 +34,7 @@ TEXT_ONLY = ("detokenize", "skip_special_tokens", "spaces_between_special_tokens
 # CompletionRequest fields that are not sampling params: a sampling_params naming one is refused.
 NOT_SAMPLING = ("model", "prompt", "echo", "stream", "stream_options", "suffix", "best_of", "user", "return_token_ids",
                 "return_tokens_as_token_ids")  # fmt: skip
+MAX_STOP_IDS = 256
 PROBE_PIXELS = (90, 150, 200)  # the colour of the probe image (all-zero pixels would read as padding: Idefics3)
 
 
@@ -81,6 +82,12 @@ class TokenRoutes:
             job = self.h._job(sampling, [req.token_ids], [limit], sampling.logprobs, prompt_param="token_ids",
                               prompt_logprobs=sampling.prompt_logprobs)  # fmt: skip
             job.engine_kwargs.update(images)
+            stop_ids = req.sampling_params.get("stop_token_ids")
+            if stop_ids:  # vLLM's: these end the output as EOS does (finish_reason "stop"), min_tokens holding them
+                config = job.engine_kwargs.get("generation_config") or self.h._generation_config({})
+                eos = config.eos_token_id
+                config.eos_token_id = sorted({*([eos] if isinstance(eos, int) else eos or []), *stop_ids})
+                job.engine_kwargs["generation_config"] = config
             run = await self.h._start(job)
         events = await _collect(run, request)
         choices, scored = [], []
@@ -119,7 +126,8 @@ class TokenRoutes:
 
     def _prepare(self, data: bytes) -> tuple[GenerateRequest, CompletionRequest, int, dict[str, Any]]:
         req: GenerateRequest = parse(GenerateRequest, parse_json(data))
-        params = {k: v for k, v in req.sampling_params.items() if k not in TEXT_ONLY}
+        params = {k: v for k, v in req.sampling_params.items() if k not in TEXT_ONLY and k != "stop_token_ids"}
+        self._check_stop_ids(req.sampling_params.get("stop_token_ids"), bool(params.get("ignore_eos")))
         body = {"model": req.model or self.h.settings.model_name, **params, "prompt": req.token_ids}
         try:
             sampling: CompletionRequest = parse(CompletionRequest, body, self.h.limits)
@@ -141,6 +149,18 @@ class TokenRoutes:
             images = generate_inputs(self.h.loop.engine.model, req.token_ids, req.features, self._image_probe(),
                                      settings.max_images, settings.max_image_pixels)  # fmt: skip
         return req, sampling, limit, images
+
+    def _check_stop_ids(self, ids: Any, ignore_eos: bool) -> None:
+        if ids is None:
+            return
+        vocab = self.h.limits.vocab_size
+        if not isinstance(ids, list) or len(ids) > MAX_STOP_IDS or not all(
+                type(t) is int and 0 <= t < vocab for t in ids):  # fmt: skip
+            raise APIError(400, f"sampling_params.stop_token_ids must be at most {MAX_STOP_IDS} token ids in [0, "
+                           f"{vocab})", "sampling_params.stop_token_ids", "invalid_value")  # fmt: skip
+        if ids and ignore_eos:  # the engine's ignore_eos would ignore them too, where vLLM's stops on them
+            raise APIError(400, "stop_token_ids cannot be combined with ignore_eos on this server",
+                           "sampling_params.stop_token_ids", "unsupported_parameter")  # fmt: skip
 
     def _image_probe(self) -> dict[str, Any]:
         """One probe image's processor outputs, as the processor lays out an image of a chat."""
