@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from PIL import Image
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
 
 from hf_paged_attn.demo import DEMO_MODEL
 
@@ -205,6 +205,45 @@ def tiny_internvl(seed: int = 0) -> TinyVLM:
     return TinyVLM(model, tok, "<image>", inputs)
 
 
+def tiny_aya_vision(seed: int = 0, family: str = "aya_vision") -> TinyVLM:
+    """Aya Vision: a SigLIP tower (one 16x16 tile per image, 4x4 patches), pixel shuffle (2: 4 image tokens) and
+    a Cohere2 (a sliding layer and a full one). Its inputs are built by hand, one normalized tile per image (its
+    processor tiles an image and adds a thumbnail and tile markers). ``family="cohere2_vision"``: Command A
+    Vision, the same tower, shuffle and text model."""
+    tok = _tokenizer(["<image>"])
+    image_id = tok.convert_tokens_to_ids("<image>")
+    common = dict(
+        text_config=dict(model_type="cohere2", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=512,
+                         sliding_window=8, layer_types=["sliding_attention", "full_attention"], initializer_range=0.1,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id),
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, image_size=16, patch_size=4),
+        downsample_factor=2,
+    )  # fmt: skip
+    if family == "cohere2_vision":
+        config = AutoConfig.for_model(family, **common, image_token_id=image_id, alignment_intermediate_size=64)
+    else:
+        config = AutoConfig.for_model(family, **common, image_token_index=image_id, vision_feature_layer=-1,
+                                      vision_feature_select_strategy="full")  # fmt: skip
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config).eval()
+    with torch.no_grad():  # the tower's default init (zero biases, unit norms) plus these: greedy tokens that vary
+        for param in model.parameters():
+            if param.dim() > 1:
+                torch.nn.init.normal_(param, std=0.1)
+    model.set_attn_implementation("paged")
+
+    def inputs(texts: Sequence[str], images: Sequence[Image.Image]) -> dict[str, torch.Tensor]:
+        batch = dict(tok([t.replace("<image>", "<image>" * 4) for t in texts], return_tensors="pt", padding=True))
+        if images:
+            tiles = [torch.from_numpy(np.array(i.convert("RGB").resize((16, 16)))).permute(2, 0, 1) for i in images]
+            batch["pixel_values"] = torch.stack(tiles).float() / 127.5 - 1.0  # [num_images, 3, 16, 16]
+        return batch
+
+    return TinyVLM(model, tok, "<image>", inputs)
+
+
 BUILDERS = {
     "llava": tiny_llava,
     "vipllava": functools.partial(tiny_llava, family="vipllava"),
@@ -213,4 +252,6 @@ BUILDERS = {
     "idefics3": tiny_idefics3,
     "smolvlm": functools.partial(tiny_idefics3, family="smolvlm"),
     "internvl": tiny_internvl,
+    "aya_vision": tiny_aya_vision,
+    "cohere2_vision": functools.partial(tiny_aya_vision, family="cohere2_vision"),
 }

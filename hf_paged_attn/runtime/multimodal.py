@@ -36,7 +36,8 @@ DERIVED_INPUTS = ("mm_token_type_ids", "token_type_ids")
 # The families whose images match sdpa's greedy tokens (tests/runtime/test_multimodal.py); images for any
 # other are refused by name: some attend bidirectionally over an image's tokens (PaliGemma, Gemma 3),
 # which the causal paged kernels never show them, others cut their inputs in ways not handled here.
-CHECKED_FAMILIES = ("llava", "vipllava", "qwen2_vl", "qwen2_5_vl", "idefics3", "smolvlm", "internvl")
+CHECKED_FAMILIES = ("llava", "vipllava", "qwen2_vl", "qwen2_5_vl", "idefics3", "smolvlm", "internvl", "aya_vision",
+                    "cohere2_vision")
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -90,14 +90,16 @@ def test_engine_chunked_prefill_prefix_cache_by_image(vlm):
 def test_engine_encodes_once_per_prefill_and_again_after_preemption(vlm):
     """Preempted mid-prefill, a request keeps its unconsumed features; preempted after its prefill, it
     runs the encoder again. Its tokens equal sdpa's either way."""
-    config = PagedConfig(block_size=4, num_blocks=64, max_batch_tokens=5, enable_prefix_caching=False)
+    # chunks of 3 tokens: shorter than every family's image (4 tokens and up), so one ends inside it
+    config = PagedConfig(block_size=4, num_blocks=64, max_batch_tokens=3, enable_prefix_caching=False)
     engine = ContinuousBatchingEngine(vlm.model, config)  # no cache: a preempted request computes everything again
     ids, images = engine_inputs(vlm, seed=2)
     rid = engine.add_request(ids, max_new_tokens=NEW, **images)
     request = engine.intake.live[rid]
     outputs = []
-    while request.multimodal.embeds is None:  # until a chunk feeds the image's first tokens
+    while request.multimodal.num_encodes == 0:  # until a chunk feeds the image's first tokens
         outputs += engine.step()
+    assert request.multimodal.embeds is not None
     assert request.num_computed_tokens <= int(request.multimodal.positions[-1])  # its last is still to come
     engine.scheduler.recompute_all()  # preempted: its K/V goes, and is computed again from the prompt
     while request.num_computed_tokens <= len(ids):  # the prefill, and one decode step
