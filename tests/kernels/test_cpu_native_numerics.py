@@ -3,7 +3,8 @@
 Every case runs on an instruction set drawn from those the kernels have (``isa=``: the portable C, AVX2,
 AVX-512 with fp32 arithmetic, AVX-512 BF16 pair dot products); one above what this CPU has runs the best it has,
 which ``test_the_best_isa_is_the_one_the_cpu_flags_name`` holds to what the CPU's flags offer. float32 is held to
-1e-5; bfloat16 to one bf16 step of the largest reference value (inputs are bf16, the reference's maths float64).
+1e-5; bfloat16 to one bf16 step of the largest reference value plus 2^-8 of the probability-weighted magnitude of
+the values (inputs are bf16, the reference's maths float64; ``_assert_close``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import platform
 import shutil
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -68,23 +70,40 @@ def _sinks(opts: dict, gen: torch.Generator) -> torch.Tensor | None:
     return torch.randn(heads, generator=gen) * 2 if opts["sinks"] else None
 
 
-def _expected(q, k_cache, v_cache, table_row, keys: int, opts: dict, sinks, scale: float) -> torch.Tensor:  # noqa: ANN001
+class Expected(NamedTuple):
+    values: torch.Tensor  # the float64 reference's output
+    magnitude: torch.Tensor  # the same attention over |v|: sum_i p_i |v_i|, what the output's rounding scales with
+
+
+def _expected(q, k_cache, v_cache, table_row, keys: int, opts: dict, sinks, scale: float,  # noqa: ANN001
+              causal: bool = True) -> Expected:
     k = reference.gather_pages(k_cache, table_row, keys).double()
     v = reference.gather_pages(v_cache, table_row, keys).double()
-    return reference.attend_one(q.double(), k, v,
-                                options=AttentionOptions(softmax_scale=scale, window_size=(opts["window_left"], -1),
-                                                         softcap=opts["softcap"], sinks=sinks))  # fmt: skip
+    options = AttentionOptions(softmax_scale=scale, causal=causal, window_size=(opts["window_left"], -1),
+                               softcap=opts["softcap"], sinks=sinks)  # fmt: skip
+    return Expected(reference.attend_one(q.double(), k, v, options=options),
+                    reference.attend_one(q.double(), k, v.abs(), options=options))  # fmt: skip
 
 
-def _assert_close(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
-    """float32: 1e-5; bfloat16: one bf16 step (2^-7 relative) of the largest reference value."""
+def _assert_close(out: torch.Tensor, expected: Expected, dtype: torch.dtype) -> None:
+    """float32: 1e-5. bfloat16: one bf16 step (2^-7 relative) of the largest reference value for the output's own
+    rounding, plus 2^-8 of ``sum_i p_i |v_i|`` per element for the probabilities the bf16 kernels round to bf16
+    before they weigh the values (an output of small values averaged from large ones carries their rounding)."""
+    values = expected.values
     if dtype == torch.float32:
-        torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out.double(), values, atol=1e-5, rtol=1e-5)
         return
-    top = float(expected.abs().max()) if expected.numel() else 0.0
+    if not values.numel():
+        return
+    top = float(values.abs().max())
     step = 2.0 ** (math.floor(math.log2(top)) - 7) if top > 0 else 2.0**-133
-    err = float((out.double() - expected).abs().max()) if expected.numel() else 0.0
-    assert err <= step, f"bf16 error {err} above one step {step} of the largest value {top}"
+    bound = step + 2.0**-8 * expected.magnitude
+    err = (out.double() - values).abs()
+    worst = int((err - bound).argmax())
+    assert bool((err <= bound).all()), (
+        f"bf16 error {float(err.flatten()[worst])} above its bound {float(bound.flatten()[worst])} (one step {step} "
+        f"of the largest value {top}, 2^-8 of sum p|v| {float(expected.magnitude.flatten()[worst])})"
+    )
 
 
 @settings(max_examples=80, deadline=None)
@@ -133,14 +152,7 @@ def test_prefill_matches_reference(shapes: list[tuple[int, int]], opts: dict, ca
                                    isa=opts["isa"])  # fmt: skip
     assert out is not None and out.shape == q.shape
     for r, (q0, q1) in enumerate(zip(cu_q.tolist(), cu_q.tolist()[1:])):
-        expected = _expected(q[q0:q1], k_cache, v_cache, table[r], k_lens[r], opts, sinks, scale)
-        if not causal:
-            k = reference.gather_pages(k_cache, table[r], k_lens[r]).double()
-            v = reference.gather_pages(v_cache, table[r], k_lens[r]).double()
-            expected = reference.attend_one(q[q0:q1].double(), k, v,
-                                            options=AttentionOptions(softmax_scale=scale, causal=False,
-                                                                     window_size=(opts["window_left"], -1),
-                                                                     softcap=opts["softcap"], sinks=sinks))  # fmt: skip
+        expected = _expected(q[q0:q1], k_cache, v_cache, table[r], k_lens[r], opts, sinks, scale, causal=causal)
         _assert_close(out[q0:q1], expected, opts["dtype"])
 
 
