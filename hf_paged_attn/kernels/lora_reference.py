@@ -36,3 +36,39 @@ def lora_expand_reference(
         b = b_stack[lora].cpu()  # [out, R]
         out[row] += float(scalings[lora]) * (b.double() @ t[row].cpu().to(b.dtype).double())
     return out
+
+
+# Rounding error bounds of the kernels' arithmetic, elementwise, against the references above. A float32 sum of
+# k products is within gamma_k = k u / (1 - k u) (u = 2^-24) of the exact one, relative to the sum of the
+# products' magnitudes (exact products: half-precision inputs multiply exactly in float32); every later rounding
+# adds its unit roundoff of the value.
+_U32 = 2.0**-24
+
+
+def _gamma(k: int) -> float:
+    return k * _U32 / (1 - k * _U32)
+
+
+def lora_shrink_bound(x: torch.Tensor, a_stack: torch.Tensor, token_lora: torch.Tensor) -> torch.Tensor:
+    """[N, R] float64: how far ``lora_shrink`` may be from ``lora_shrink_reference``: gamma_in |A_l| |x|."""
+    return _gamma(x.shape[1]) * lora_shrink_reference(x.abs(), a_stack.abs(), token_lora)
+
+
+def lora_expand_bound(
+    y: torch.Tensor,
+    t: torch.Tensor,
+    b_stack: torch.Tensor,
+    scalings: torch.Tensor,
+    token_lora: torch.Tensor,
+    want: torch.Tensor,
+    cast_roundoff: float | None = None,
+) -> torch.Tensor:
+    """[N, out] float64: how far ``lora_expand`` may be from ``want`` (``lora_expand_reference``'s): the dot and
+    its scaling (gamma_{R+1} |s| |B_l| |t|), adding y in float32 (u32), the cast to y's dtype (``cast_roundoff``,
+    default its unit roundoff: round to nearest), each relative to the value; plus the dtype's smallest normal
+    for a result that underflows."""
+    cast_roundoff = torch.finfo(y.dtype).eps / 2 if cast_roundoff is None else cast_roundoff
+    magnitude = lora_expand_reference(torch.zeros_like(y), t.abs(), b_stack.abs(), scalings.abs(), token_lora)
+    dot = _gamma(b_stack.shape[2] + 1) * magnitude
+    summed = dot + _U32 * (want.abs() + dot)
+    return summed + cast_roundoff * (want.abs() + summed) + torch.finfo(y.dtype).tiny

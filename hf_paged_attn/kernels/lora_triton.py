@@ -182,7 +182,7 @@ def _lora_ids(lora_ids: torch.Tensor | None, segments: Segments, num_loras: int)
     num_slots = segments.counts.numel()
     if lora_ids is None:
         if num_slots != num_loras:
-            raise ValueError(f"without lora_ids the segments' {num_slots} slots must be the stack's {num_loras} adapters")
+            raise ValueError(f"without lora_ids the {num_slots} slots must be the stack's {num_loras} adapters")
         return torch.arange(num_slots, dtype=torch.int32, device=segments.counts.device)
     if lora_ids.numel() != num_slots:
         raise ValueError(f"lora_ids has {lora_ids.numel()} entries for {num_slots} slots")
