@@ -1,5 +1,5 @@
-"""The float64 reference of the LoRA kernels (``lora_triton``): one row at a time, explicit casts, never
-on the hot path. The kernels are tested against it (``tests/kernels/test_lora_triton.py``,
+"""The float64 reference of the LoRA kernels (``lora_triton``): one adapter's rows at a time, explicit
+casts, never on the hot path. The kernels are tested against it (``tests/kernels/test_lora_triton.py``,
 ``scripts/gpu_check/checks/lora.py``).
 
 The casts are those the kernels (and PEFT's ``lora_B(lora_A(x.to(w.dtype)))``) make: a row is cast to the
@@ -15,12 +15,12 @@ import torch
 def lora_shrink_reference(x: torch.Tensor, a_stack: torch.Tensor, token_lora: torch.Tensor) -> torch.Tensor:
     """x [N, in], a_stack [L, R, in], token_lora [N] (the stack index of each row's adapter, -1: none)
     -> [N, R] float64: ``A_l x`` for each row under adapter l, zeros for a row with none."""
+    x, a_stack, token_lora = x.cpu(), a_stack.cpu(), token_lora.cpu()
     out = torch.zeros(x.shape[0], a_stack.shape[1], dtype=torch.float64)
-    for row, lora in enumerate(token_lora.tolist()):
-        if lora < 0:
-            continue
-        a = a_stack[lora].cpu()  # [R, in]
-        out[row] = a.double() @ x[row].cpu().to(a.dtype).double()
+    for lora in range(a_stack.shape[0]):
+        rows = token_lora == lora  # [N] bool
+        a = a_stack[lora]  # [R, in]
+        out[rows] = x[rows].to(a.dtype).double() @ a.double().T  # [rows, R]
     return out
 
 
@@ -29,12 +29,12 @@ def lora_expand_reference(
 ) -> torch.Tensor:
     """y [N, out], t [N, R] (the shrink's float32 result), b_stack [L, out, R], scalings [L],
     token_lora [N] -> [N, out] float64: ``y + scaling_l * B_l t`` on each row under adapter l, y elsewhere."""
+    t, b_stack, token_lora = t.cpu(), b_stack.cpu(), token_lora.cpu()
     out = y.cpu().double().clone()
-    for row, lora in enumerate(token_lora.tolist()):
-        if lora < 0:
-            continue
-        b = b_stack[lora].cpu()  # [out, R]
-        out[row] += float(scalings[lora]) * (b.double() @ t[row].cpu().to(b.dtype).double())
+    for lora in range(b_stack.shape[0]):
+        rows = token_lora == lora  # [N] bool
+        b = b_stack[lora]  # [out, R]
+        out[rows] += float(scalings[lora]) * (t[rows].to(b.dtype).double() @ b.double().T)  # [rows, out]
     return out
 
 
