@@ -140,7 +140,7 @@ class LoraRouter:
         self.groups: list[tuple[str, Rows]] | None = None  # None: no engine step is running
         # While the compiled forward traces: its ``adapter_index`` input [1, N] (``lora_rows.py``); else None.
         self.index: torch.Tensor | None = None
-        self.kernels = lora_kernels.LoraKernels()  # the Triton path's stacks and step grouping
+        self.kernels = lora_kernels.LoraKernels(lambda: self.adapters)  # the Triton path's stacks and step grouping
 
     @property
     def adapters(self) -> set[str]:
@@ -156,8 +156,7 @@ class LoraRouter:
     def step(self, step: StepMetadata) -> Iterator[None]:
         """The LoRA layers run ``step``'s row groups until the context ends."""
         self.groups = row_groups(step)
-        if self.groups:
-            self.kernels.new_step(self.adapters)
+        self.kernels.new_step()
         try:
             yield
         finally:
@@ -230,7 +229,7 @@ def _forward(router: LoraRouter, layer: torch.nn.Module, x: torch.Tensor, *args,
         return result
     flat_x = x.reshape(-1, x.shape[-1])  # [N, in]: the step's packed rows
     flat = result.view(-1, result.shape[-1])  # [N, out], a view: adding to it adds to result
-    if lora_kernels.use_triton(flat_x.device) and lora_kernels.suits(layer):
+    if lora_kernels.use_triton(flat_x.device) and lora_kernels.suits(layer, flat_x.device):
         router.kernels.add(layer, groups, flat_x, flat)
         return result
     for adapter, rows in groups:

@@ -15,7 +15,8 @@ the rows grouped by slot (``lora_triton.lora_segments``), made at the step's fir
 by all of them.
 
 Not on this path (the torch loop runs them): a tensor-parallel layer (its ``lora_A`` / ``lora_B`` forwards
-hold the collectives) and PEFT's ``lora_bias`` (a bias on B, which the kernels do not add).
+hold the collectives), PEFT's ``lora_bias`` (a bias on B, which the kernels do not add), and adapter
+weights on another device than the rows (offloaded).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -48,11 +49,14 @@ def use_triton(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
-def suits(layer: torch.nn.Module) -> bool:
-    """Whether the kernels compute what ``layer``'s adapters do: not sharded, no bias on B."""
+def suits(layer: torch.nn.Module, device: torch.device) -> bool:
+    """Whether the kernels compute what ``layer``'s adapters do on rows on ``device``: not sharded, no bias
+    on B, every adapter's weights on ``device`` (not offloaded)."""
     if getattr(layer.get_base_layer(), "_hf_device_mesh", None) is not None:
         return False
-    return all(layer.lora_B[name].bias is None for name in layer.lora_B.keys())
+    lora_b = [layer.lora_B[name] for name in layer.lora_B.keys()]
+    weights = [layer.lora_A[name].weight for name in layer.lora_A.keys()] + [b.weight for b in lora_b]
+    return all(b.bias is None for b in lora_b) and all(w.device == device for w in weights)
 
 
 def _ops() -> ModuleType:
@@ -99,34 +103,43 @@ def build_stacks(layer: torch.nn.Module, slots: dict[str, int]) -> Stacks:
 
 
 class LoraKernels:
-    """The router's state for the Triton path: each layer's stacks, and the running step's row grouping."""
+    """The router's state for the Triton path: each layer's stacks, and the running step's slots and row
+    grouping, made at the step's first LoRA layer on this path (a step on the torch loop pays nothing).
+    ``adapters``: every adapter the model holds now (the slots are their name order)."""
 
-    def __init__(self) -> None:
+    def __init__(self, adapters: Callable[[], Iterable[str]]) -> None:
+        self._adapters = adapters
         self._stacks: weakref.WeakKeyDictionary[torch.nn.Module, Stacks] = weakref.WeakKeyDictionary()
         self._slots: dict[str, int] | None = None
         self._segments = None  # lora_triton.Segments of the running step
 
-    def new_step(self, adapters: Sequence[str]) -> None:
-        """Forget the last step's grouping; ``adapters``: every adapter the model holds (the slots, in name order)."""
-        self._slots = {name: slot for slot, name in enumerate(sorted(adapters))}
+    def new_step(self) -> None:
+        """Forget the last step's slots and grouping."""
+        self._slots = None
         self._segments = None
+
+    def slots(self) -> dict[str, int]:
+        """Each adapter's slot in the running step (0, 1, ... in name order)."""
+        if self._slots is None:
+            self._slots = {name: slot for slot, name in enumerate(sorted(self._adapters()))}
+        return self._slots
 
     def stacks(self, layer: torch.nn.Module) -> Stacks:
         """``layer``'s stacks, rebuilt if its key changed since they were built."""
-        assert self._slots is not None, "new_step() first"
+        slots = self.slots()
         found = self._stacks.get(layer)
-        if found is None or found.key != _key(layer, self._slots):
-            found = self._stacks[layer] = build_stacks(layer, self._slots)
+        if found is None or found.key != _key(layer, slots):
+            found = self._stacks[layer] = build_stacks(layer, slots)
         return found
 
     def segments(self, groups: Sequence[tuple[str, Rows]], num_rows: int, device: torch.device):
         """The step's rows grouped by slot (``lora_triton.Segments``), made once per step."""
-        assert self._slots is not None, "new_step() first"
         if self._segments is None:
+            slots = self.slots()
             token_slot = torch.full((num_rows,), -1, dtype=torch.int32, device=device)  # [N]: -1, the base model
             for adapter, rows in groups:
-                token_slot[rows] = self._slots[adapter]
-            self._segments = _ops().lora_segments(token_slot, len(self._slots))
+                token_slot[rows] = slots[adapter]
+            self._segments = _ops().lora_segments(token_slot, len(slots))
         return self._segments
 
     def add(

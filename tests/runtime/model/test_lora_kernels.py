@@ -63,8 +63,8 @@ def first_layer(model, adapter: str) -> torch.nn.Module:
 def test_stacks_are_rebuilt_when_adapters_scalings_or_weights_change(models):
     _, paged = models
     layer = first_layer(paged, "a")  # a q_proj: adapter "a" only ("b" targets k, o and up)
-    kernels = lora_kernels.LoraKernels()
-    kernels.new_step(["a", "b"])
+    adapters = ["a", "b"]
+    kernels = lora_kernels.LoraKernels(lambda: adapters)
     stacks = kernels.stacks(layer)
     assert stacks.lora_ids.tolist() == [0, -1]  # slot 0 is "a", slot 1 ("b") is not on this layer
     assert torch.equal(stacks.a[0], layer.lora_A["a"].weight)
@@ -83,22 +83,27 @@ def test_stacks_are_rebuilt_when_adapters_scalings_or_weights_change(models):
         assert kernels.stacks(layer).scalings.tolist() == [pytest.approx(scaling * 3)]
     finally:
         layer.scaling["a"] = scaling
-    kernels.new_step(["a", "b", "c"])  # another adapter loaded: the slots are renumbered
+    adapters.append("c")  # another adapter loaded: the slots are renumbered at the next step
+    assert kernels.stacks(layer) is kernels.stacks(layer)
+    kernels.new_step()
     assert kernels.stacks(layer).lora_ids.tolist() == [0, -1, -1]
-    kernels.new_step(["0", "a"])
+    adapters[:] = ["0", "a"]
+    kernels.new_step()
     assert kernels.stacks(layer).lora_ids.tolist() == [-1, 0]
 
 
-def test_tensor_parallel_and_lora_bias_layers_take_the_torch_loop(models, monkeypatch):
+def test_tensor_parallel_lora_bias_and_offloaded_layers_take_the_torch_loop(models, monkeypatch):
     _, paged = models
     layer = first_layer(paged, "a")
-    assert lora_kernels.suits(layer)
+    cpu = torch.device("cpu")
+    assert lora_kernels.suits(layer, cpu)
+    assert not lora_kernels.suits(layer, torch.device("meta"))  # the rows elsewhere than the adapter's weights
     with monkeypatch.context() as patch:
         patch.setattr(layer.get_base_layer(), "_hf_device_mesh", object(), raising=False)
-        assert not lora_kernels.suits(layer)
+        assert not lora_kernels.suits(layer, cpu)
     bias = torch.nn.Parameter(torch.zeros(layer.lora_B["a"].out_features))  # PEFT's lora_bias=True
     monkeypatch.setattr(layer.lora_B["a"], "bias", bias)
-    assert not lora_kernels.suits(layer)
+    assert not lora_kernels.suits(layer, cpu)
 
 
 def test_use_triton_only_on_cuda():
