@@ -15,6 +15,7 @@ from .base import Check
 
 ORDER = (
     "lora/kernels",
+    "lora/engine-fp32",
     "kernels/triton/fp32",
     "kernels/triton/bf16",
     "kernels/flash/fp32",

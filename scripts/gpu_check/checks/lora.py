@@ -7,6 +7,11 @@ Shapes: a decode step (one row per request, 64 requests over 3 adapters and the 
 rows), a single row; Llama-8B-sized features (4096 in, 4096 and 14336 out), ranks 8, 16 and 64 padded to 64,
 an adapter with no rows, a layer lacking an adapter (``lora_ids`` -1). ``--device cpu``: tiny shapes, the
 interpreter, whose bfloat16 casts truncate (the bound takes one ulp for them there).
+
+lora/engine-fp32: the engine's eager LoRA router on the kernels (``runtime/model/lora_kernels.py``, which it picks
+on CUDA by itself; forced on the CPU), requests under two adapters (ranks 8 and 4, other target modules and
+scalings) and the base in one batch, against PEFT on sdpa under each request's adapter, greedy, up to the first
+near-tie. Needs peft.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import time
 import torch
 
 from ..base import Check, Context, Fail, Skip, interpreting_triton
+from ..helpers import TIE_TOLERANCE, compare_up_to_tie, load_model, patched, sdpa_greedy, seconds_since
 
 DTYPES = {  # x, weights, y
     "fp32": (torch.float32, torch.float32, torch.float32),
@@ -114,6 +120,80 @@ def run(ctx: Context) -> str:
     return detail
 
 
+ADAPTERS = {
+    "a": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], seed=1),
+    "b": dict(r=4, lora_alpha=8, use_rslora=True, target_modules=["k_proj", "o_proj", "up_proj"], seed=2),
+}
+
+
+def _peft(directory: str, paths: dict[str, str], attn: str, device: torch.device) -> torch.nn.Module:
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(load_model(directory, attn, device, torch.float32), paths["a"], adapter_name="a")
+    model.load_adapter(paths["b"], adapter_name="b")
+    return model.to(device).eval()
+
+
+def engine_parity(ctx: Context) -> str:
+    try:
+        import peft  # noqa: F401
+    except ImportError as exc:
+        raise Skip(f"peft is not installed ({exc})") from exc
+    if ctx.on_cuda and torch.cuda.get_device_capability(ctx.device) < (8, 0):
+        raise Skip("the LoRA kernels run on compute capability 8.0+")
+    from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
+    from hf_paged_attn.kernels import lora_triton
+    from hf_paged_attn.runtime.model import lora_kernels
+    from hf_paged_attn_tools.testing import save_random_lora
+
+    start = time.perf_counter()
+    directory = ctx.tiny_llama()
+    paths = {name: save_random_lora(directory, ctx.subdir(f"lora_{name}_"), **cfg) for name, cfg in ADAPTERS.items()}
+    lens, new = ([3, 9, 17, 5, 12, 1], 8) if ctx.tiny else ([1, 5, 17, 33, 40, 64, 120, 250, 7, 90, 2, 300], 32)
+    adapters = [("a", "b", None)[i % 3] for i in range(len(lens))]
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 128, (n,), generator=gen).tolist() for n in lens]
+    ref = _peft(directory, paths, "sdpa", ctx.device)
+    references, changed = [], 0  # changed: requests whose adapter changes the base model's tokens
+    for prompt, adapter in zip(prompts, adapters):
+        with ref.disable_adapter():
+            base = sdpa_greedy(ref, prompt, new)
+        if adapter is not None:
+            ref.set_adapter(adapter)
+            references.append(sdpa_greedy(ref, prompt, new))
+            changed += references[-1][0] != base[0]
+        else:
+            references.append(base)
+    del ref
+    if changed == 0:
+        raise Fail("the random adapters change no request's tokens: parity would prove nothing")
+    paged = _peft(directory, paths, "paged", ctx.device)
+    calls = [0]
+    expand = lora_triton.lora_expand
+
+    def counted(*args: object, **kwargs: object) -> None:
+        calls[0] += 1
+        expand(*args, **kwargs)
+
+    # on CUDA the router picks the kernels itself (use_triton); the CPU dry run forces them
+    forced = (lambda device: True) if not ctx.on_cuda else lora_kernels.use_triton
+    with patched(lora_kernels, "use_triton", forced), patched(lora_triton, "lora_expand", counted):
+        with ContinuousBatchingEngine(paged, PagedConfig(block_size=16)) as engine:
+            ids = engine.add_all([dict(input_ids=p, max_new_tokens=new, adapter_name=a)
+                                  for p, a in zip(prompts, adapters)])  # fmt: skip
+            rows = [out.output_ids for out in engine.collect(ids)]
+    if calls[0] == 0:
+        raise Fail("the router never ran the LoRA kernels (lora_kernels.use_triton is false here?)")
+    tol = TIE_TOLERANCE[torch.float32]
+    compared = sum(
+        compare_up_to_tie(f"prompt {i} (len {len(p)}, adapter {a})", got, want, gaps, tol)
+        for i, (p, a, got, (want, gaps)) in enumerate(zip(prompts, adapters, rows, references, strict=True))
+    )
+    return (f"{len(prompts)} requests over a, b and the base x {new} tokens ({changed} changed by their adapter), "
+            f"{compared}/{len(prompts) * new} steps compared (tie tol {tol}), {calls[0]} kernel pairs, "
+            f"{seconds_since(start)}")  # fmt: skip
+
+
 USES = (
     "hf_paged_attn.kernels.lora_triton:lora_shrink(x, a_stack, segments, lora_ids)",
     "hf_paged_attn.kernels.lora_triton:lora_expand(y, t, b_stack, scalings, segments, lora_ids)",
@@ -124,4 +204,15 @@ USES = (
     "hf_paged_attn.kernels.lora_reference:lora_shrink_bound(x, a_stack, token_lora)",
     "hf_paged_attn.kernels.lora_reference:lora_expand_bound(y, t, b_stack, scalings, token_lora, want, cast_roundoff)",
 )
-CHECKS = [Check("lora/kernels", run, 180, cpu=True, uses=USES)]
+ENGINE_USES = (
+    "hf_paged_attn:ContinuousBatchingEngine.add_all(requests)",
+    "hf_paged_attn:ContinuousBatchingEngine.collect(ids)",
+    "hf_paged_attn:PagedConfig(block_size)",
+    "hf_paged_attn.runtime.model.lora_kernels:use_triton(device)",
+    "hf_paged_attn.kernels.lora_triton:lora_expand",
+    "hf_paged_attn_tools.testing:save_random_lora(base_directory, directory, seed)",
+)
+CHECKS = [
+    Check("lora/kernels", run, 180, cpu=True, uses=USES),
+    Check("lora/engine-fp32", engine_parity, 120, cpu=True, uses=ENGINE_USES),
+]
