@@ -46,7 +46,12 @@ def use_triton(device: torch.device) -> bool:
     tensors under ``TRITON_INTERPRET=1``."""
     if device.type != "cuda" or not _triton_installed():
         return False
-    return torch.cuda.get_device_capability(device) >= (8, 0)
+    return _capability(device.index) >= (8, 0)
+
+
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)  # asked for every LoRA layer at every step: once is enough
 
 
 def suits(layer: torch.nn.Module, device: torch.device) -> bool:
