@@ -1,5 +1,5 @@
-"""Compile the Triton backend's kernels (``hf_paged_attn/kernels/triton_ops.py``) for an H100/H200 (sm_90)
-on a machine without a GPU.
+"""Compile the Triton backend's kernels (``hf_paged_attn/kernels/triton_ops.py``) and the LoRA kernels
+(``lora_triton.py``) for an H100/H200 (sm_90) on a machine without a GPU.
 
 The interpreter (TRITON_INTERPRET=1) runs kernels that real Triton rejects (tl.dot shapes, dtype
 mixes) and says nothing of registers. This script compiles each kernel the way its host wrapper
@@ -85,6 +85,7 @@ def main() -> int:
     try:
         driver.set_active(_Driver())
         JITFunction.__getitem__ = _compile_instead_of_launch
+        from hf_paged_attn.kernels import lora_triton
         from hf_paged_attn.kernels import triton_ops as ops
         from hf_paged_attn.kernels.base import AttentionOptions
 
@@ -112,6 +113,13 @@ def main() -> int:
         new = torch.zeros(tokens, kv_heads, dim, dtype=dtype)
         ops.write_kv(new, new, pages, pages, torch.zeros(tokens, dtype=torch.int64))
 
+    def lora(x_dtype, w_dtype, rows, num_in, num_out, rank):
+        segments = lora_triton.lora_segments(torch.zeros(rows, dtype=torch.long), 3)
+        x = torch.zeros(rows, num_in, dtype=x_dtype)
+        t = lora_triton.lora_shrink(x, torch.zeros(3, rank, num_in, dtype=w_dtype), segments)
+        b = torch.zeros(3, num_out, rank, dtype=w_dtype)
+        lora_triton.lora_expand(torch.zeros(rows, num_out, dtype=x_dtype), t, b, torch.ones(3), segments)
+
     dtypes = [torch.bfloat16] if args.quick else [torch.bfloat16, torch.float16, torch.float32]
     shapes = [(32, 8, 128)] if args.quick else [(32, 8, 128), (14, 2, 64), (8, 1, 256), (32, 32, 128)]
     cases = []
@@ -129,6 +137,13 @@ def main() -> int:
     cases.append(
         ("prefill bf16 softcap+window+sinks", lambda: prefill(torch.bfloat16, 512, 8, 2, 128, 16, **options), ())
     )
+    lora_dtypes = [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)]
+    if not args.quick:
+        lora_dtypes += [(torch.float16, torch.float16), (torch.float32, torch.float32)]
+    for x_dtype, w_dtype in lora_dtypes:
+        for rank in (16, 64) if args.quick else (8, 16, 64, 128):
+            name = f"lora x={str(x_dtype)[6:]} w={str(w_dtype)[6:]} rank={rank}"
+            cases.append((name, lora, (x_dtype, w_dtype, 256, 4096, 4096, rank)))
     failed = 0
     for label, fn, fn_args in cases:
         try:

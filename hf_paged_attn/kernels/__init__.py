@@ -11,7 +11,9 @@ torch and triton read fp8 pages (``kv_dtype.py``, ``supports_fp8_pages``; triton
 capability 8.9+), only torch reads int8 pages (``supports_int8_pages``): ``kernel="auto"`` picks the first that
 reads the cache's pages, and an explicit kernel that does not is refused.
 
-``reference.py`` is the float64 reference every backend is tested against. The registry below is
+``lora_triton.py`` holds the batched LoRA kernels (Punica's SGMV shrink / expand), ``lora_reference.py`` their
+float64 reference; they are not an attention backend. ``reference.py`` is the float64 reference every backend is
+tested against. The registry below is
 the one place that lists the backends in ``kernel="auto"``'s order of preference; ``PagedConfig``
 and the engine read it. Only torch is imported to choose: flash-attn and triton load when a kernel
 first runs.

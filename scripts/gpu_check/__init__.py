@@ -6,6 +6,10 @@ one H100/H200 before graphs/* and e2e/*, whose time is not yet measured):
 prints one line per check, ``[PASS|FAIL|SKIPPED] <check>: <details>``, and its seconds. In run order
 (``registry.ORDER``: parity first, figures after, throughput last), one module of ``checks/`` each:
 
+- ``lora/kernels`` (lora.py): the Triton LoRA kernels (shrink, expand) against their float64 reference, each
+  element within the rounding bound of their arithmetic, fp32 / bf16 / fp16 and fp32 adapters on a bf16 base.
+- ``lora/engine-fp32`` (lora.py): the engine's LoRA router on those kernels, requests under two adapters and the
+  base against PEFT on sdpa, greedy.
 - ``kernels/<backend>/<dtype>`` (kernels.py): triton, flash (when importable) and torch against the
   float64 reference: paged decode (Triton split-K forced and automatic), paged prefill, write_kv then
   paged prefill, with GQA, windows, softcap and sinks.

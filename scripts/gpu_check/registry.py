@@ -14,6 +14,8 @@ import importlib
 from .base import Check
 
 ORDER = (
+    "lora/kernels",
+    "lora/engine-fp32",
     "kernels/triton/fp32",
     "kernels/triton/bf16",
     "kernels/flash/fp32",
@@ -43,6 +45,7 @@ ORDER = (
     "throughput/bf16",
 )
 MODULES = (
+    "lora",
     "kernels",
     "greedy",
     "graphs_parity",

@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts"
 LINE = re.compile(r"^\[(PASS|FAIL|SKIPPED)\] (\S+): ")
 # The parity checks whose CPU variants run in seconds (the Triton interpreter takes ~0.3 s per call).
-CPU_PARITY = ("kernels", "greedy/fp32", "greedy/bf16/torch", "graphs/fp32", "e2e/fp32-parity", "cascade", "mixed",
-              "speculative", "prompt-logprobs", "structured")  # fmt: skip
+CPU_PARITY = ("lora", "kernels", "greedy/fp32", "greedy/bf16/torch", "graphs/fp32", "e2e/fp32-parity", "cascade",
+              "mixed", "speculative", "prompt-logprobs", "structured")  # fmt: skip
 FIGURES = ("bandwidth/", "splitk/", "graphs/bf16", "e2e/bf16", "throughput/")
 
 
@@ -294,11 +294,13 @@ def test_parity_checks_pass_on_the_cpu(tmp_path):
     for name, result in results.items():
         want = "SKIPPED" if "flash" in name else "PASS"
         assert result["status"] == want, (name, result["detail"])
-    assert len(results) == 17
+    assert len(results) == 19
     assert {"greedy/fp32/triton", "graphs/fp32", "mixed/split", "structured/fp32"} <= set(results)
     assert re.search(r"twin draft \d+ steps, [1-9]\d*/", results["speculative/fp32"]["detail"])
     # not vacuous: cases ran, steps were compared, graphs replayed, prefill read from the pages
     assert results["kernels/triton/fp32"]["detail"].startswith("12 cases")
+    assert results["lora/kernels"]["detail"].startswith("12 cases")
+    assert re.search(r"\([1-9]\d* changed by their adapter\), 48/48 steps", results["lora/engine-fp32"]["detail"])
     assert results["kernels/torch/bf16"]["detail"].startswith("9 cases")
     assert re.search(r"buckets \[1, 2, 4\] captured once, \d+ replays", results["graphs/fp32"]["detail"])
     assert re.search(r"[1-9]\d* paged prefill calls", results["e2e/fp32-parity"]["detail"])
@@ -316,7 +318,7 @@ def test_every_check_runs_on_the_cpu(tmp_path):
     proc = run_script("--device", "cpu", "--json", str(report), timeout=1800)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     results = json.loads(report.read_text())["results"]
-    assert len(results) == 27
+    assert len(results) == 29
     for result in results:
         want = "SKIPPED" if "flash" in result["check"] else "PASS"
         assert result["status"] == want, result
@@ -324,8 +326,8 @@ def test_every_check_runs_on_the_cpu(tmp_path):
 
 @pytest.mark.slow
 def test_triton_kernels_compile_for_sm90():
-    """scripts/triton_compile_check.py --quick: the Triton kernels of kernels/triton_ops.py compile for
-    an H100/H200 without a GPU (it relies on Triton internals: exit 2 if its stand-in driver fails)."""
+    """scripts/triton_compile_check.py --quick: the Triton kernels of kernels/triton_ops.py and lora_triton.py
+    compile for an H100/H200 without a GPU (it relies on Triton internals: exit 2 if its stand-in driver fails)."""
     import triton  # noqa: F401
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("TRITON_INTERPRET", None)

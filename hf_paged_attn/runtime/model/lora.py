@@ -5,7 +5,8 @@ None is the base model). While an engine runs, every LoRA layer of its model (PE
 from ``get_peft_model``, ``PeftModel.from_pretrained`` or transformers' ``model.load_adapter``) has its
 ``forward`` replaced, through the model's marks (``marks.py``), by the router's: the base layer on every
 row, then for each adapter present one matmul pair ``scaling * B(A(x))`` on that adapter's rows (Punica's
-SGMV as a loop over the step's adapters, in torch). The layer's own weights and ``scaling`` are read at
+SGMV as a loop over the step's adapters, in torch); on CUDA with triton, Punica's segmented kernel pair over
+every adapter at once (``lora_kernels.py``). The layer's own weights and ``scaling`` are read at
 every step, so PEFT's rank per adapter, ``lora_alpha``/``use_rslora`` scaling, ``rank_pattern`` and
 target modules that differ between adapters hold as they do in PEFT; dropout is off, as at inference.
 
@@ -34,7 +35,7 @@ from collections.abc import Iterator
 import torch
 
 from ...attention.step import StepMetadata
-from . import lora_rows
+from . import lora_kernels, lora_rows
 from .marks import ModelMarks, marks_for
 
 BASE = "__base__"  # PEFT's name of "no adapter" in generate(adapter_names=)
@@ -139,6 +140,7 @@ class LoraRouter:
         self.groups: list[tuple[str, Rows]] | None = None  # None: no engine step is running
         # While the compiled forward traces: its ``adapter_index`` input [1, N] (``lora_rows.py``); else None.
         self.index: torch.Tensor | None = None
+        self.kernels = lora_kernels.LoraKernels(lambda: self.adapters)  # the Triton path's stacks and step grouping
 
     @property
     def adapters(self) -> set[str]:
@@ -154,6 +156,7 @@ class LoraRouter:
     def step(self, step: StepMetadata) -> Iterator[None]:
         """The LoRA layers run ``step``'s row groups until the context ends."""
         self.groups = row_groups(step)
+        self.kernels.new_step()
         try:
             yield
         finally:
@@ -226,6 +229,9 @@ def _forward(router: LoraRouter, layer: torch.nn.Module, x: torch.Tensor, *args,
         return result
     flat_x = x.reshape(-1, x.shape[-1])  # [N, in]: the step's packed rows
     flat = result.view(-1, result.shape[-1])  # [N, out], a view: adding to it adds to result
+    if lora_kernels.use_triton(flat_x.device) and lora_kernels.suits(layer, flat_x.device):
+        router.kernels.add(layer, groups, flat_x, flat)
+        return result
     for adapter, rows in groups:
         if adapter not in layer.lora_A:  # the adapter does not target this module
             continue
