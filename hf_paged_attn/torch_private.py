@@ -25,6 +25,7 @@ __all__ = [
     "detect_fake_mode",
     "get_hash_for_files",
     "graph_breaks",
+    "inductor_cache_dir",
     "linear_pointwise",
     "mark_dynamic",
     "mkldnn_bf16_supported",
@@ -35,6 +36,13 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- dynamo and inductor
+
+
+def inductor_cache_dir() -> str:
+    """The directory of inductor's disk cache (``TORCHINDUCTOR_CACHE_DIR``, else a folder under the temp dir)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return cache_dir()
 
 
 def compile_fx(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> Callable[..., object]:

@@ -12,7 +12,7 @@ import torch
 from ..core.policy import POLICIES
 from ..kernels import BACKENDS, KERNELS, resolve_kernel
 from ..kernels.kv_dtype import KV_CACHE_DTYPES
-from .cpu import fp32_matmuls
+from .cpu import compile_record, fp32_matmuls
 from .model.placement import kernel_device, layer_devices, offloaded_to
 from .speculative.config import SpeculativeConfig
 
@@ -75,7 +75,8 @@ class PagedConfig:
             inductor's disk cache shortens later processes); every later engine on the same model
             reuses it. ``None`` (the default): on for a model on the CPU when a C++ compiler is
             found (where it was measured to win: docs/performance.md) and ``COMPILE_BY_DEFAULT`` is true,
-            off elsewhere; ``True`` on
+            off elsewhere; at start-up (``"startup"``) for a model this machine compiled before, whose graphs
+            inductor's disk cache holds (``cpu/compile_record.py``), else in the background; ``True`` on
             another device raises ValueError; ``False``: eager forwards; ``"startup"``: as ``True``, but
             the engine compiles while it is made (one eager warm-up step of a one-token request, then the
             compile, in the caller's thread: seconds with inductor's disk cache warm), so its first request
@@ -177,7 +178,11 @@ class PagedConfig:
         then ``placed`` where its layers sit. The launcher reads the answers."""
         sinks = any(name.rsplit(".", 1)[-1] == "sinks" for name, _ in model.named_parameters())
         # not model.device: "meta" when offloaded
-        return self.resolved(kernel_device(model), model.dtype, sinks, page_head_dim(model)).placed(model)
+        config = self.resolved(kernel_device(model), model.dtype, sinks, page_head_dim(model)).placed(model)
+        if self.compile is None and config.compile is True and compile_record.recorded(model):
+            # inductor holds this model's graphs: compiled in seconds before the first request, never beside steps
+            config = config.replace(compile=COMPILE_AT_STARTUP)
+        return config
 
     def placed(self, model: torch.nn.Module) -> PagedConfig:
         """This resolved config where ``model``'s layers sit: the one place that decides whether decode steps

@@ -68,7 +68,7 @@ from ...core.layers import LayerKinds
 from ..model import lora, lora_rows
 from ..model.marks import ModelMarks, marks_for, tensor_index
 from ..model.weights import fingerprint
-from . import linear_groups, packed_linear, sampled_rows
+from . import compile_record, linear_groups, packed_linear, sampled_rows
 from .attention import COMPILED_STEP, CompiledStep
 from .patches import install_compile_patches
 
@@ -292,6 +292,8 @@ class CompiledModel:
         else:
             self.compile_seconds = time.perf_counter() - start
             self.num_compiles += 1
+            if self.lora is None and (model := self.model and self.model()) is not None:
+                compile_record.record(model, self.threads)  # the next process compiles it at start-up
             logger.warning("hf_paged_attn: compiled the model's forward in %.1f s", self.compile_seconds)
         finally:
             release()
