@@ -196,8 +196,10 @@ def test_weights_updated_in_a_pause_are_honoured(fresh_pair) -> None:  # noqa: A
     try:
         first = manager.add_request(prefix + [5])
         before = next(r for r in manager.request_id_iter(first) if r.is_finished()).generated_tokens
-        with manager.pause():
+        with manager.pause(), manager.pause():  # pauses nest
             _perturb((ref, paged), 0.05, data=True)
+            with pytest.raises(RuntimeError, match="inside a pause"):
+                manager.stop()
         second = manager.add_request(prefix + [5])  # the same prompt: its prefix was cached before the pause
         after = next(r for r in manager.request_id_iter(second) if r.is_finished()).generated_tokens
     finally:

@@ -89,8 +89,7 @@ class PagedContinuousBatchingManager:
         self._counter = 0
         self._lock = threading.Lock()
         self._stopping = False
-        self._pause_holder: threading.Thread | None = None  # the thread inside ``pause()``, if any
-        self._pause_lock = threading.Lock()  # one pause at a time
+        self._pausing = threading.local()  # ``depth``: how many ``pause()`` contexts this thread is inside
         self._mode = ExitStack()  # holds generation_mode while a session runs
 
     # ----------------------------------------------------------------------------- sessions
@@ -131,7 +130,7 @@ class PagedContinuousBatchingManager:
         if self._thread is None:
             logger.warning("Manager not started.")
             return
-        if self._pause_holder is not None and self._pause_holder is threading.current_thread():
+        if getattr(self._pausing, "depth", 0):
             raise RuntimeError("Cannot stop the manager from inside a pause: leave the `pause` context first.")
         self._stopping = True
         self._thread.stop("hard" if hard_stop else "flush", timeout=0)
@@ -169,19 +168,18 @@ class PagedContinuousBatchingManager:
         thread = self._thread
         if thread is None or not self.is_running():
             raise RuntimeError("Cannot pause generation while no generation loop is running.")
-        with self._pause_lock:
-            thread.hold()
+        thread.hold()  # pauses nest and overlap: the loop steps again when the last one ends
+        try:
+            if not thread.is_alive():
+                raise RuntimeError("The generation loop stopped before it could pause.") from self.fatal_error
+            self._pausing.depth = getattr(self._pausing, "depth", 0) + 1
             try:
-                if not thread.is_alive():
-                    raise RuntimeError("The generation loop stopped before it could pause.") from self.fatal_error
-                self._pause_holder = threading.current_thread()
-                try:
-                    yield
-                finally:
-                    self._pause_holder = None
-                    self._after_pause()
+                yield
             finally:
-                thread.release()
+                self._pausing.depth -= 1
+                self._after_pause()
+        finally:
+            thread.release()
 
     # ----------------------------------------------------------------------------- requests in
     def add_request(
