@@ -18,8 +18,9 @@ Systems, alternating within each round:
   ``add_request(ids, max_new_tokens=n, pixel_values=...)``, each ending at its own length;
 - ``engine, eager``: the same with ``compile=False``;
 - ``paged generate``: ``model.generate`` on the paged model, all requests in one call, timed whole (it makes
-  its engine inside; ``PagedConfig(compile="startup")`` reuses the engine system's compiled graph), every row
-  run to the longest row's new tokens (``generate`` takes one ``max_new_tokens``) and cut;
+  its engine inside; ``PagedConfig(compile="startup")`` reuses the engine system's compiled graph, which runs
+  before it in every round), every row run to the longest row's new tokens (``generate`` takes one
+  ``max_new_tokens``) and cut;
 - ``sdpa, batches of 8`` / ``sdpa, all 32``: transformers' padded ``generate``, each batch run to its longest
   row and cut, as the text benchmarks' static batches.
 
