@@ -244,6 +244,30 @@ def tiny_aya_vision(seed: int = 0, family: str = "aya_vision") -> TinyVLM:
     return TinyVLM(model, tok, "<image>", inputs)
 
 
+def small_llava(seed: int = 0, image_size: int = 224, patch_size: int = 14) -> torch.nn.Module:
+    """A LLaVA of benchmark size (fp32, eval, random weights, attn_implementation "paged"): the text model is
+    the text benchmarks' 30M Llama (``bench.workloads.FULL_MODEL``: hidden 512, 8 layers, vocab 8,192; the
+    image token is one more id, 8,192), the tower a small CLIP (hidden 256, 4 layers; ``image_size`` /
+    ``patch_size`` squared image tokens per image, 256 at the defaults). ``initializer_range`` 0.1 so greedy
+    tokens vary. Its inputs are token ids and ``pixel_values`` [num_images, 3, image_size, image_size]."""
+    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    from hf_paged_attn_tools.bench.workloads import FULL_MODEL
+
+    text = FULL_MODEL.config()
+    text.vocab_size = FULL_MODEL.vocab_size + 1  # the image token, outside the workloads' token range
+    vision = CLIPVisionConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
+                              image_size=image_size, patch_size=patch_size, projection_dim=256,
+                              initializer_range=0.1)  # fmt: skip
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=FULL_MODEL.vocab_size,
+                         vision_feature_layer=-1, vision_feature_select_strategy="default",
+                         initializer_range=0.1)  # fmt: skip
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).eval()
+    model.set_attn_implementation("paged")
+    return model
+
+
 BUILDERS = {
     "llava": tiny_llava,
     "vipllava": functools.partial(tiny_llava, family="vipllava"),
