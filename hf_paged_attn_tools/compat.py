@@ -174,9 +174,24 @@ def check_model(
     return CompatResult(model_type, class_name, result, note, time.perf_counter() - start)
 
 
+
+def result_table(results: list) -> list[str]:
+    """The counts line and the Markdown table of ``results`` (each with ``model_type``, ``class_name``,
+    ``result``, ``note``), as both compatibility pages show them."""
+    counts = Counter(r.result for r in results)
+    lines = [
+        f"**{counts['pass']} pass, {counts['refused']} refused, {counts['fail']} fail** of {len(results)}.",
+        "",
+        "| model type | class | result | note |",
+        "| --- | --- | --- | --- |",
+    ]
+    for r in results:
+        note = r.note.replace("|", "\\|").replace("\n", " ")
+        lines.append(f"| `{r.model_type}` | `{r.class_name}` | {r.result} | {note} |")
+    return lines
+
 def render(results: list[CompatResult]) -> str:
     """The Markdown document: a table, the counts, and the architectures left out."""
-    counts = Counter(r.result for r in results)
     lines = [
         "# Model compatibility",
         "",
@@ -189,14 +204,8 @@ def render(results: list[CompatResult]) -> str:
         f"max_batch_tokens={PAGED_CONFIG.max_batch_tokens})`, compared with `sdpa` (or `eager` where the "
         "model refuses sdpa) by `hf_paged_attn_tools.testing.compare_greedy`.",
         "",
-        f"**{counts['pass']} pass, {counts['refused']} refused, {counts['fail']} fail** of {len(results)}.",
-        "",
-        "| model type | class | result | note |",
-        "| --- | --- | --- | --- |",
+        *result_table(results),
     ]
-    for r in results:
-        note = r.note.replace("|", "\\|").replace("\n", " ")
-        lines.append(f"| `{r.model_type}` | `{r.class_name}` | {r.result} | {note} |")
     left_out = not_claiming()
     lines += [
         "",

@@ -21,7 +21,6 @@ import argparse
 import sys
 import time
 import warnings
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +30,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_
 
 from hf_paged_attn import MultimodalInputs
 from hf_paged_attn.runtime.multimodal import CHECKED_FAMILIES
+from hf_paged_attn_tools.compat import result_table
 from hf_paged_attn_tools.tiny_vlms import BUILDERS, random_image
 
 NEW_TOKENS = 8
@@ -138,7 +138,6 @@ def check_model(model_type: str) -> VLMResult:
 
 
 def render(results: list[VLMResult]) -> str:
-    counts = Counter(r.result for r in results)
     lines = [
         "# Vision-language compatibility",
         "",
@@ -153,14 +152,8 @@ def render(results: list[VLMResult]) -> str:
         "default config), with the reason. Text-only prompts of these models: [the causal-LM "
         "matrix](compatibility.md).",
         "",
-        f"**{counts['pass']} pass, {counts['refused']} refused, {counts['fail']} fail** of {len(results)}.",
-        "",
-        "| model type | class | result | note |",
-        "| --- | --- | --- | --- |",
+        *result_table(results),
     ]
-    for r in results:
-        note = r.note.replace("|", "\\|").replace("\n", " ")
-        lines.append(f"| `{r.model_type}` | `{r.class_name}` | {r.result} | {note} |")
     return "\n".join(lines) + "\n"
 
 
