@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
+import json
 import logging
 import os
 from pathlib import Path
@@ -40,8 +41,10 @@ def _package_version() -> str:
 
 def signature(model: torch.nn.Module, num_threads: int) -> str:
     """The hash of what ``model``'s compiled graphs depend on, for a compile at ``num_threads`` threads."""
+    config = json.loads(model.config.to_json_string(use_diff=False))
+    config.pop("_name_or_path", None)  # where it was loaded from: the same model copied elsewhere has the same graphs
     parts = [
-        model.config.to_json_string(use_diff=False),
+        json.dumps(config, sort_keys=True),
         str(model.dtype),
         str(num_threads),
         torch.__version__,

@@ -45,6 +45,8 @@ def test_a_record_is_of_one_model_shape_dtype_thread_count_and_inductor_cache(re
     assert not compile_record.recorded(paged, 2)
     paged.config.rms_norm_eps = eps
     assert compile_record.recorded(paged, 2)
+    paged.config._name_or_path = "/elsewhere/a-copy"  # the same model loaded from another directory
+    assert compile_record.recorded(paged, 2)
     monkeypatch.setattr(compile_record, "inductor_cache_dir", lambda: str(records / "gone"))
     assert not compile_record.recorded(paged, 2)  # inductor's cache was removed: the graphs with it
 
