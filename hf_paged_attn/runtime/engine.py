@@ -152,7 +152,7 @@ class ContinuousBatchingEngine(BatchAPI):
     def add_request(
         self,
         input_ids: Sequence[int] | torch.Tensor,
-        params: SamplingParams | None = None,
+        params: SamplingParams | int | None = None,  # an int: max_new_tokens, the positional form of before
         *,
         request_id: str | None = None,
         priority: int = 0,
