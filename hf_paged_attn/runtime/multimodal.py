@@ -261,7 +261,12 @@ class MultimodalSteps:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        self.is_mrope = _rope_index(model) is not None
+        self.is_mrope = self.is_mrope_model(model)
+
+    @staticmethod
+    def is_mrope_model(model: torch.nn.Module) -> bool:
+        """Whether ``model`` places its tokens by M-RoPE (Qwen-VL): steps with its images take [3, 1, N] positions."""
+        return _rope_index(model) is not None
 
     def prepare(self, step: StepMetadata, scheduled: list[ScheduledRequest]) -> StepMetadata:
         """``step`` with ``inputs_embeds`` where a chunk feeds image tokens and 3-D positions where an

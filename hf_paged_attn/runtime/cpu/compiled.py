@@ -14,7 +14,10 @@ nothing.
 
 What the graph sees:
 
-- ``input_ids`` / ``position_ids`` [1, N] and ``logits_indices`` [S], both sizes dynamic;
+- ``input_ids`` / ``position_ids`` [1, N] and ``logits_indices`` [S], both sizes dynamic; for the steps of a
+  vision-language model that feed image features, ``inputs_embeds`` [1, N, hidden] in place of the ids, and
+  for an M-RoPE model's (Qwen-VL) steps with images, positions [3, 1, N]: each such kind of step is a graph
+  of its own (``StepKind``), all compiled together (``step_kinds``);
 - a ``StepCache`` in place of the paged cache, whose ``update`` hands K/V through, and the constant
   ``COMPILED`` as the ``paged_forward`` kwarg: nothing in the graph depends on the step, so the
   graph never guards on (and recompiles for) a step's Python numbers or its ``ForwardContext``;
@@ -68,6 +71,7 @@ from ...core.layers import LayerKinds
 from ..model import lora, lora_rows
 from ..model.marks import ModelMarks, marks_for, tensor_index
 from ..model.weights import fingerprint
+from ..multimodal import CHECKED_FAMILIES, MultimodalInputs, MultimodalSteps
 from . import compile_record, linear_groups, packed_linear, sampled_rows
 from .attention import COMPILED_STEP, CompiledStep
 from .patches import install_compile_patches
@@ -176,6 +180,27 @@ def locked_trace(trace: Callable[..., torch.fx.Graph]) -> Callable[..., torch.fx
     return traced
 
 
+@dataclass(frozen=True, slots=True)
+class StepKind:
+    """A kind of step the compiled forward takes, each a graph of its own (dynamo guards on a tensor's rank):
+    ``embeds``: image features in ``inputs_embeds`` [1, N, hidden] instead of ids [1, N];
+    ``position_dims``: 2 ([1, N]) or 3 (M-RoPE's [3, 1, N])."""
+
+    embeds: bool = False
+    position_dims: int = 2
+
+
+def step_kinds(model: torch.nn.Module) -> tuple[StepKind, ...]:
+    """The kinds of step ``model``'s engines run (``multimodal.MultimodalSteps``): a text model's ids and 1-D
+    positions; a vision-language model's steps that feed image features as well; an M-RoPE model's steps with
+    images run with 3-D positions, those that feed no image feature included."""
+    if not MultimodalInputs.takes_images(model) or model.config.model_type not in CHECKED_FAMILIES:
+        return (StepKind(),)  # (a family whose images are refused runs text only)
+    if not MultimodalSteps.is_mrope_model(model):
+        return StepKind(), StepKind(embeds=True)
+    return StepKind(), StepKind(position_dims=3), StepKind(embeds=True, position_dims=3)
+
+
 class StepCache(Cache):
     """The cache the compiled graph sees: ``update`` returns K/V as they are (the attention op
     writes them into the real pages), lengths are per request (0, as ``PagedAttentionCache``)."""
@@ -223,6 +248,7 @@ class CompiledModel:
     lora_key: lora_rows.Signature = ()
     slots: dict[str, int] = field(default_factory=dict)
     retired: bool = False  # the model's adapters changed (``retire``): engines make a new graph for them
+    kinds: tuple[StepKind, ...] = (StepKind(),)  # the kinds of step its graphs serve, each compiled at start
 
     def start(self, device: torch.device, thread_counts: Sequence[int] = (), background: bool = True) -> None:
         """Compile in the background, once (later calls do nothing), one graph at the largest of
@@ -261,7 +287,7 @@ class CompiledModel:
                 packed_linear.pack(model)  # before the trace, so the first graph runs on the copies
             with torch.inference_mode():  # as the engine's steps are: dynamo guards on inference tensors
                 ids = torch.zeros(1, WARMUP_ROWS, dtype=torch.long, device=device)
-                positions, indices = ids.clone(), torch.arange(2, device=device)
+                indices = torch.arange(2, device=device)
                 adapters = torch.zeros_like(ids) if self.lora is not None else None  # every row the base model
             self.threads = max(thread_counts)
             torch.set_num_threads(self.threads)
@@ -269,7 +295,7 @@ class CompiledModel:
             breaks = _graph_breaks()
             refused = None
             try:
-                run_graph(self, CompiledStep(None, None, self.modules, 0), ids, positions, indices, adapters)
+                self._warm_up(device, ids, indices, adapters)
             except Exception as exc:
                 if not self.regions or _EXITING:
                     raise
@@ -281,7 +307,7 @@ class CompiledModel:
                                "without", refused)  # fmt: skip
                 unmark_layer_regions(self.regions, self.marks)
                 self.regions = []
-                run_graph(self, CompiledStep(None, None, self.modules, 0), ids, positions, indices, adapters)
+                self._warm_up(device, ids, indices, adapters)
         except Exception as exc:
             self.failed = f"{type(exc).__name__}: {exc}"
             if _EXITING:
@@ -300,6 +326,20 @@ class CompiledModel:
             self.ready.set()
             _COMPILING.discard(threading.current_thread())
 
+    def _warm_up(
+        self, device: torch.device, ids: torch.Tensor, indices: torch.Tensor, adapters: torch.Tensor | None
+    ) -> None:
+        """Runs (and so compiles) the graph of each kind of step on padding rows, which never touch a cache."""
+        for kind in self.kinds:
+            with torch.inference_mode():
+                tokens = ids
+                if kind.embeds:
+                    model = self.model and self.model()
+                    weight = model.get_input_embeddings().weight
+                    tokens = torch.zeros(1, ids.shape[1], weight.shape[1], dtype=weight.dtype, device=device)
+                shape = ids.shape if kind.position_dims == 2 else (3, *ids.shape)  # [1, M] or [3, 1, M]
+                positions = torch.zeros(shape, dtype=torch.long, device=device)
+            run_graph(self, CompiledStep(None, None, self.modules, 0), tokens, positions, indices, adapters)
 
     def stale(self) -> bool:
         """Whether a weight changed since the compile (an optimizer step, a loaded state dict, a
@@ -434,15 +474,17 @@ def compiled_model(model: torch.nn.Module, windows: list[int | None]) -> Compile
     route = packed_linear.RoutePackedLinears if pack else contextlib.nullcontext
 
     def forward(
-        input_ids: torch.Tensor,
+        tokens: torch.Tensor,
         position_ids: torch.Tensor,
         logits_indices: torch.Tensor,
         adapter_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if router is not None:  # the LoRA layers read the rows' adapters from the router while traced
             router.index = adapter_index
+        # ids [1, N], or image features among the token embeddings [1, N, hidden] (a rank dynamo guards on)
+        given = {"input_ids": tokens} if tokens.dim() == 2 else {"inputs_embeds": tokens}
         with route():  # traced away: the graph calls hf_paged_attn::packed_linear where F.linear was
-            out = model_ref()(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True,
+            out = model_ref()(**given, position_ids=position_ids, cache=cache, use_cache=True,
                               paged_forward=COMPILED, logits_to_keep=logits_indices)  # fmt: skip
         if router is not None:
             router.index = None
@@ -455,13 +497,16 @@ def compiled_model(model: torch.nn.Module, windows: list[int | None]) -> Compile
         if marks.get(module, LAYER_INDEX) is None and getattr(module, LAYER_INDEX, None) is None:
             marks.put(module, LAYER_INDEX, tensor_index(idx, _device(module)), buffer=True)
     static = {"cache": cache, "paged_forward": COMPILED}
-    regions = mark_layer_regions(model, modules, static, route, marks)
+    kinds = step_kinds(model)
+    # A second kind of step's graph re-traced the stamped regions and failed in dynamo (a KeyError on the hidden
+    # size, the small LLaVA of benchmarks/vlm_generate.py), then compiled without them: go without at once.
+    regions = mark_layer_regions(model, modules, static, route, marks) if len(kinds) == 1 else []
     # The index buffers are listed whether or not the marks are open now: the graph reads them too.
     tensors = [*model.parameters(), *model.buffers()]
     tensors += [t for m in modules.values() if (t := marks.get(m, LAYER_INDEX)) is not None and _absent(t, tensors)]
     graph = torch.compile(forward, backend=_backend)
     found = _MODELS[model] = CompiledModel(graph, modules, tensors, pack=pack, model=model_ref, regions=regions,
-                                           marks=marks, lora=router, lora_key=lora_key,
+                                           marks=marks, lora=router, lora_key=lora_key, kinds=kinds,
                                            slots=router.slots if router is not None else {})  # fmt: skip
     return found
 
@@ -482,18 +527,19 @@ def _absent(tensor: torch.Tensor, tensors: list[torch.Tensor]) -> bool:
 def run_graph(
     compiled: CompiledModel,
     step: CompiledStep,
-    input_ids: torch.Tensor,
+    tokens: torch.Tensor,
     position_ids: torch.Tensor,
     logits_indices: torch.Tensor,
     adapter_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The compiled forward on [1, M] ids and positions (M >= 2, ``step.num_tokens`` of them real) and
-    ``logits_indices`` [S >= 2]: logits [S, vocab] as the model returns them. The token and sampled
-    counts are dynamic: dynamo specialises sizes 0 and 1, which callers pad away. The graph runs with
-    torch's thread count at the call, whatever count it was compiled at (``STEP_THREADS``). A model with
-    LoRA layers takes each row's adapter, ``adapter_index`` [1, M] (``lora_rows.row_index``)."""
-    torch_private.mark_dynamic(input_ids, 1)
-    torch_private.mark_dynamic(position_ids, 1)
+    """The compiled forward on [1, M] ids (or [1, M, hidden] embeddings: ``StepKind``) and positions ([1, M] or
+    [3, 1, M]; M >= 2, ``step.num_tokens`` of them real) and ``logits_indices`` [S >= 2]: logits [S, vocab] as
+    the model returns them. The token and sampled counts are dynamic: dynamo specialises sizes 0 and 1, which
+    callers pad away. The graph runs with torch's thread count at the call, whatever count it was compiled at
+    (``STEP_THREADS``). A model with LoRA layers takes each row's adapter, ``adapter_index`` [1, M]
+    (``lora_rows.row_index``)."""
+    torch_private.mark_dynamic(tokens, 1)
+    torch_private.mark_dynamic(position_ids, position_ids.dim() - 1)
     torch_private.mark_dynamic(logits_indices, 0)
     lora_args = () if adapter_index is None else (adapter_index,)
     if adapter_index is not None:
@@ -512,12 +558,12 @@ def run_graph(
         with torch_private.compile_settings(INDUCTOR_OPTIONS):
             try:
                 with stance:
-                    return compiled.forward(input_ids, position_ids, logits_indices, *lora_args)
+                    return compiled.forward(tokens, position_ids, logits_indices, *lora_args)
             except RuntimeError as exc:  # a step the graph's guards reject: compile for it, checking every guard
                 if not skip or "skip_guard_eval_unsafe" not in str(exc):
                     raise
                 logger.info("hf_paged_attn: a step needs another graph (%s)", exc)
-                return compiled.forward(input_ids, position_ids, logits_indices, *lora_args)
+                return compiled.forward(tokens, position_ids, logits_indices, *lora_args)
     finally:
         COMPILED_STEP.reset(token)
         if threads_token is not None:
@@ -571,7 +617,7 @@ class CompiledExecutor:
 
     def execute(self, step: StepMetadata) -> torch.Tensor:
         """Logits of the step's sampled rows, [num_sampled, vocab] float32."""
-        if self.failed is not None or not self.layers.observed or step.has_beams or step.is_multimodal:
+        if self.failed is not None or not self.layers.observed or step.has_beams:
             return self._eager(step)
         if not self.compiled.ready.is_set():
             self.compiled.num_eager_steps += 1
@@ -599,9 +645,10 @@ class CompiledExecutor:
 
     def _run(self, step: StepMetadata) -> torch.Tensor:
         n = step.num_tokens
-        input_ids, position_ids, indices = step.input_ids, step.position_ids, step.logits_indices
+        tokens = step.input_ids if step.inputs_embeds is None else step.inputs_embeds  # [1, N] or [1, N, hidden]
+        position_ids, indices = step.position_ids, step.logits_indices  # [1, N] or [3, 1, N]; [S]
         if n < 2:  # a padding row: token 0 at position 0, which the attention op never lets near the cache
-            input_ids = torch.nn.functional.pad(input_ids, (0, 2 - n))
+            tokens = torch.nn.functional.pad(tokens, (0, 2 - n) if tokens.dim() == 2 else (0, 0, 0, 2 - n))
             position_ids = torch.nn.functional.pad(position_ids, (0, 2 - n))
             self.num_padded_steps += 1
         num_sampled = indices.numel()
@@ -609,11 +656,11 @@ class CompiledExecutor:
             indices = torch.nn.functional.pad(indices, (0, 2 - num_sampled))
         adapters = None  # [1, M]: each row's adapter slot, for a model with LoRA layers
         if self.compiled.lora is not None:
-            adapters = lora_rows.row_index(step, self.compiled.slots, input_ids.shape[1])
+            adapters = lora_rows.row_index(step, self.compiled.slots, tokens.shape[1])
         context = ForwardContext(step, self.eager.backend)
         with self.eager.cache.forward(context):
             logits = run_graph(self.compiled, CompiledStep(context, self.eager.cache, self.compiled.modules, n),
-                               input_ids, position_ids, indices, adapters)  # fmt: skip
+                               tokens, position_ids, indices, adapters)  # fmt: skip
         self.num_compiled_steps += 1
         return logits[:num_sampled].float()
 
