@@ -1,6 +1,7 @@
 """Constrained against free requests on one server: what structured outputs cost when serving.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/structured_serve.py [--rounds 5] [--clients 32] [--threads 2]
+        [--workload weather|list]
 
 One ``hf-paged-attn serve`` of the bundled demo model. Each round sends ``--clients`` concurrent
 ``/v1/completions`` requests constrained by a JSON schema (``response_format``), then the same number
@@ -8,8 +9,10 @@ of free ones with the same prompts, each with ``max_tokens`` set to the token co
 twin produced, so both batches generate the same tokens per request: greedy, on prompts picked at
 warm-up whose free greedy text runs at least ``MIN_FREE_TOKENS`` tokens without EOS (sampled, a
 third of the demo model's free texts end early, and a batch that thins out runs fewer tokens per
-step). The figure is tokens per second of wall time; rounds alternate constrained and free;
-medians are printed, with their ratio.
+step). ``--workload list``: a schema whose outputs run past ``max_tokens`` (``LIST_SCHEMA``: an object holding
+an array of at least 12 strings of 12-16 characters), every request at ``max_tokens`` 48, the free ones with
+``ignore_eos``, so both batches run 48 tokens a request. The figure is tokens per second of wall time; rounds
+alternate constrained and free; medians are printed, with their ratio.
 
 Where the constrained time goes, measured here in-process on the same tokenizer and schema with
 the engine's own ``GrammarCompiler`` (the server's engine runs the same calls each step): the batch
@@ -53,6 +56,13 @@ SCHEMA = {
 }
 TOOLS = [FunctionTool.model_validate({"type": "function", "function": {"name": name, "parameters": SCHEMA}})
          for name in ("report", "forecast", "archive")]
+LIST_SCHEMA = {
+    "type": "object",
+    "properties": {"items": {"type": "array", "items": {"type": "string", "minLength": 12, "maxLength": 16},
+                             "minItems": 12}},
+    "required": ["items"],
+}
+LIST_MAX_TOKENS = 48
 MIN_FREE_TOKENS = 160  # constrained outputs of SCHEMA are ~60-120 tokens
 COMPILE_SPECS = {
     "weather schema": StructuredSpec(json=SCHEMA),
@@ -70,20 +80,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5, help="constrained and free batches each (alternating)")
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of the server")
+    p.add_argument("--workload", choices=("weather", "list"), default="weather",
+                   help="weather: SCHEMA, free twins cut to the constrained lengths; list: LIST_SCHEMA, all at "
+                        "max_tokens 48, the free ones with ignore_eos")  # fmt: skip
     return p.parse_args(argv)
 
 
-async def batch(url: str, prompts: list[str], constrained: bool, max_tokens: list[int]):
+async def batch(url: str, prompts: list[str], constrained: bool, max_tokens: list[int], schema: dict = SCHEMA,
+                free_extra: dict | None = None):  # fmt: skip
     """(wall seconds, per-request completion tokens, texts) of one concurrent greedy batch."""
     async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600) as client:
-        extra = {"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}}}
+        extra = {"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}}
         calls = [client.completions.create(model="demo", prompt=p, max_tokens=m, temperature=0,
-                                           extra_body=extra if constrained else None)
+                                           extra_body=extra if constrained else free_extra)
                  for p, m in zip(prompts, max_tokens)]
         start = time.perf_counter()
         results = await asyncio.gather(*calls)
         wall = time.perf_counter() - start
     return wall, [r.usage.completion_tokens for r in results], [r.choices[0].text for r in results]
+
+
+def list_rounds(args: argparse.Namespace) -> tuple[dict[str, list[float]], list[str]]:
+    """``--workload list``: constrained (``LIST_SCHEMA``) and free (``ignore_eos``) batches, 48 tokens a request."""
+    prompts = [f"List number {i}, as JSON:" for i in range(args.clients)]
+    rates: dict[str, list[float]] = {"constrained": [], "free": []}
+    texts: list[str] = []
+    server_args = ["--served-model-name", "demo", "--max-num-seqs", str(4 * args.clients), "--num-blocks", "2048"]
+    full = [LIST_MAX_TOKENS] * args.clients
+    with ServerProcess(DEMO_MODEL, server_args, env={"OMP_NUM_THREADS": str(args.threads)}) as server:
+        for constrained in (True, False):  # warm up: the grammar compiler, the steps' sizes
+            asyncio.run(batch(server.url, prompts, constrained, full, LIST_SCHEMA, {"ignore_eos": True}))
+        for r in range(args.rounds):
+            wall, counts, texts = asyncio.run(batch(server.url, prompts, True, full, LIST_SCHEMA))
+            assert counts == full, f"a constrained output ended before max_tokens: {counts}"
+            rates["constrained"].append(sum(counts) / wall)
+            free_wall, free_counts, _ = asyncio.run(batch(server.url, prompts, False, full, LIST_SCHEMA,
+                                                          {"ignore_eos": True}))  # fmt: skip
+            assert free_counts == full
+            rates["free"].append(sum(free_counts) / free_wall)
+            print(f"round {r}: constrained {sum(counts)} tokens in {wall:.2f} s ({rates['constrained'][-1]:.0f} "
+                  f"tok/s), free {sum(free_counts)} tokens in {free_wall:.2f} s ({rates['free'][-1]:.0f} tok/s)",
+                  flush=True)  # fmt: skip
+    return rates, texts
 
 
 def serve_rounds(args: argparse.Namespace) -> tuple[dict[str, list[float]], list[str]]:
@@ -113,10 +151,10 @@ def serve_rounds(args: argparse.Namespace) -> tuple[dict[str, list[float]], list
     return rates, texts
 
 
-def step_costs(tokenizer, texts: list[str], repeat: int = 3) -> dict[str, float]:
+def step_costs(tokenizer, texts: list[str], schema: dict = SCHEMA, repeat: int = 3) -> dict[str, float]:
     """Median ms per step of the structured work for len(texts) rows in lockstep, replaying ``texts``."""
     compiler = GrammarCompiler(tokenizer, 4096)
-    grammar = compiler.compile(StructuredSpec(json=SCHEMA))
+    grammar = compiler.compile(StructuredSpec(json=schema))
     outputs = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     fills, applies, accepts = [], [], []
     for _ in range(repeat):
@@ -164,13 +202,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     print(f"python {sys.version.split()[0]}, torch {torch.__version__}, {Path(DEMO_MODEL).name}, "
           f"{args.clients} clients, {args.rounds} rounds, server OMP_NUM_THREADS={args.threads}", flush=True)
-    rates, texts = serve_rounds(args)
+    rates, texts = (list_rounds if args.workload == "list" else serve_rounds)(args)
     constrained, free = statistics.median(rates["constrained"]), statistics.median(rates["free"])
     ratios = [c / f for c, f in zip(rates["constrained"], rates["free"])]
     print(f"\nthroughput, medians: constrained {constrained:.0f} tok/s, free {free:.0f} tok/s: "
           f"{constrained / free:.2f}x (per-round ratios {', '.join(f'{r:.2f}' for r in ratios)})")
     tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL)
-    costs = step_costs(tokenizer, texts)
+    costs = step_costs(tokenizer, texts, LIST_SCHEMA if args.workload == "list" else SCHEMA)
     total = sum(costs.values())
     ms_per_step = 1e3 * args.clients / free  # a decode step of the batch, from the free throughput
     print(f"\nper decode step of {args.clients} constrained rows (replayed in-process, medians):")

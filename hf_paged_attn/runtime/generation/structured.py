@@ -420,12 +420,7 @@ def mask_rows(logits: torch.Tensor, matchers: Sequence[Matcher], rows: Sequence[
         compiler.mask_logits(logits, ms, rs)
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | None = None) -> None:
-    """``logits[rows[i], t] = -inf`` wherever bit ``t`` of ``bitmask[i]`` is 0, in place, in one op.
-
-    ``logits``: ``[num_rows, vocab]`` float, any device; ``bitmask``: int32 ``[n, ceil(vocab / 32)]``
-    (CPU or ``logits``' device); ``rows``: ``n`` distinct row indices (None: ``n == num_rows``, in order).
-    """
+def _apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | None) -> None:
     n, words = bitmask.shape
     vocab = logits.shape[-1]
     if words * 32 < vocab:
@@ -435,12 +430,34 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[in
         raise ValueError(f"{n} bitmask rows for {num_rows} logits rows")
     bits = torch.arange(32, dtype=torch.int32, device=logits.device)
     words_dev = bitmask.to(logits.device, non_blocking=True)
-    forbidden = ((words_dev.unsqueeze(-1) >> bits) & 1).flatten(1)[:, :vocab] == 0  # [n, vocab]
+    allowed = ((words_dev.unsqueeze(-1) >> bits) & 1).flatten(1)[:, :vocab]  # [n, vocab] int32, 1 where allowed
+    # An additive bias, 0 where allowed and -inf where forbidden: (allowed - 1) * max * 2 overflows to -inf. Plain
+    # arithmetic, vectorised: torch's CPU masked_fill_ took 0.47 ms on [32, 4096] logits here, and so did where
+    # (log, the other way to -inf, 1.2 ms); the bias and its add 0.11 ms in all.
+    bias = allowed.to(logits.dtype).sub_(1).mul_(torch.finfo(logits.dtype).max).mul_(2)
     if rows is None:
-        logits.masked_fill_(forbidden, float("-inf"))
+        logits.add_(bias)
     else:
-        index = torch.as_tensor(rows, dtype=torch.long, device=logits.device)
-        logits.index_put_((index,), logits.index_select(0, index).masked_fill_(forbidden, float("-inf")))
+        logits.index_add_(0, torch.as_tensor(rows, dtype=torch.long, device=logits.device), bias)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | None = None) -> None:
+    """``logits[rows[i], t] = -inf`` wherever bit ``t`` of ``bitmask[i]`` is 0, in place (an add of -inf: a NaN
+    logit stays NaN).
+
+    ``logits``: ``[num_rows, vocab]`` float, any device; ``bitmask``: int32 ``[n, ceil(vocab / 32)]``
+    (CPU or ``logits``' device); ``rows``: ``n`` distinct row indices (None: ``n == num_rows``, in order).
+    On the CPU its few small ops run on one thread: waking torch's sleeping second thread for each made the
+    application of 32 rows of 4,096 take 0.68 ms instead of 0.11 (``OMP_WAIT_POLICY=PASSIVE``, 2 cores).
+    """
+    threads = torch.get_num_threads()
+    if logits.device.type != "cpu" or threads == 1:
+        return _apply_bitmask(logits, bitmask, rows)
+    torch.set_num_threads(1)
+    try:
+        return _apply_bitmask(logits, bitmask, rows)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _is_set(spec: StructuredSpec, kind: str) -> bool:
