@@ -75,13 +75,16 @@ def test_threads_split_the_work_exactly(dtype: torch.dtype, monkeypatch: pytest.
     assert one is not None and torch.equal(one, many)
 
 
-@pytest.mark.parametrize(("isa", "bound"), [("avx512bf16", 1 << 21), ("avx512", 1 << 21), ("avx2", 1 << 18),
-                                            ("portable", 1 << 18), (None, 1 << 18)])  # fmt: skip
+@pytest.mark.parametrize(("isa", "vendor", "bound"), [
+    ("avx512bf16", "GenuineIntel", 1 << 21), ("avx512", "GenuineIntel", 1 << 21), ("avx512", None, 1 << 21),
+    ("avx512bf16", "AuthenticAMD", 1 << 18), ("avx2", "GenuineIntel", 1 << 18), ("avx2", "AuthenticAMD", 1 << 18),
+    ("portable", None, 1 << 18), (None, None, 1 << 18)])  # fmt: skip
 def test_the_threading_bound_follows_the_kernels_speed(
-    isa: str | None, bound: int, monkeypatch: pytest.MonkeyPatch
+    isa: str | None, vendor: str | None, bound: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Slower kernels (AVX2, portable, none) go to the thread pool at less work; a set bound wins."""
+    """Slower kernels (AVX2, portable, none, AMD's AVX-512) go to the thread pool at less work; a set bound wins."""
     monkeypatch.setattr(cpu_native, "best_isa", lambda: isa)
+    monkeypatch.setattr(cpu_native, "_cpu_vendor", lambda: vendor)
     cpu_native._threaded_work_by_isa.cache_clear()
     try:
         assert cpu_native.threaded_work() == bound
