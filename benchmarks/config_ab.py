@@ -1,6 +1,6 @@
 """One ``PagedConfig`` field at several values, engines side by side in one process, on a vs-vLLM row's workload.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/config_ab.py [--row random|demo] [--dtype float32|bfloat16]
+    python benchmarks/config_ab.py [--row random|demo] [--dtype float32|bfloat16]
         [--field max_batch_tokens] [--values 512,1024,2048] [--rounds 3]
 
 Each value gets its own engine (``vs_vllm_worker.ours_engine``: its own copy of the model, compiled, prefix caching
