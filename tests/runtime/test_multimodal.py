@@ -154,7 +154,8 @@ def test_requests_admitted_together_run_the_tower_once(vlm, monkeypatch):
         assert finals[rid].output_ids == want.tolist()
 
 
-@pytest.mark.parametrize("name", ["llava", "qwen2_vl"])
+@pytest.mark.parametrize("name", [n if n in ("llava", "qwen2_vl") else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in sorted(BUILDERS)])  # fmt: skip
 def test_compiled_engine_runs_image_steps_through_the_graph(name):
     """``compile="startup"`` compiles a graph per kind of step (ids; image features in ``inputs_embeds``; M-RoPE's
     3-D positions), so every step of image requests, text-only rows beside them, runs compiled; tokens equal sdpa's."""
