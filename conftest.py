@@ -14,11 +14,15 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import hf_paged_attn  # noqa: E402, F401  (registers "paged")
 from hf_paged_attn.runtime import config as _paged_config  # noqa: E402
+from hf_paged_attn.runtime.cpu import prewarm as _prewarm  # noqa: E402
 from hf_paged_attn_tools.testing import load_pair, save_random_model, tiny_llama_config  # noqa: E402
 
 # Tiny models compile for longer than they run: PagedConfig(compile=None) means eager in the suite;
 # tests of the compiled forward ask for compile=True (tests/runtime/cpu/test_compiled.py).
 _paged_config.COMPILE_BY_DEFAULT = False
+# A first compile in the background runs in a child process first (runtime/cpu/prewarm.py): a second compile of
+# every tiny model the suite compiles. Its tests turn it on (tests/runtime/cpu/test_prewarm.py).
+_prewarm.ENABLED = False
 
 
 @pytest.fixture(scope="session")

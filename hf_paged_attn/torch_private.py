@@ -45,6 +45,12 @@ def inductor_cache_dir() -> str:
     return cache_dir()
 
 
+def inductor_disk_cache_on() -> bool:
+    """Whether inductor reads and writes its disk cache of compiled graphs (on unless configured off)."""
+    config = torch._inductor.config
+    return bool(config.fx_graph_cache) and not config.force_disable_caches
+
+
 def compile_fx(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> Callable[..., object]:
     """Inductor's compiler, as ``torch.compile(backend="inductor")`` runs it (imported here: it is large, and
     eager engines never need it)."""

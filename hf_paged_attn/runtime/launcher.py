@@ -77,9 +77,15 @@ class LocalLauncher:
         eager = LocalExecutor(model, cache, backend)
         counts = self._thread_counts(model, config)
         if config.compile:
+            from .cpu import prewarm
             from .cpu.compiled import CompiledExecutor
 
-            return self._threads(CompiledExecutor(eager, layers, counts), counts, model)  # eager until compiled
+            # A compile in the background (not one at start-up, which waits for it) runs first in a child process.
+            child = None
+            if config.compile is True:
+                child = prewarm.job_for(model, bool(config.fp32_matmuls), bool(config.adaptive_threads))
+            executor = CompiledExecutor(eager, layers, counts, child)
+            return self._threads(executor, counts, model)  # eager until compiled
         if not config.cuda_graphs:
             return self._threads(eager, counts, model)
         from .cuda_graphs import CudaGraphExecutor

@@ -6,7 +6,9 @@ dynamic (``run_graph``), as vLLM's is (bucketing, one static graph per padded si
 graphs in 94 s where the dynamic one took 40 s, and static shapes make inductor pick MKL's slow fp32
 matmuls here: docs/performance.md), and so is its thread count (``STEP_THREADS``). The compile runs
 in a background thread on a step of padding rows (``CompiledModel.start``, logged), so no request
-waits for it: steps run eagerly until the graph is ready. It starts once the model has run
+waits for it: steps run eagerly until the graph is ready. A model this machine never compiled is compiled
+first by a child process on idle CPU time (``prewarm.py``), whose graphs the thread then loads in seconds.
+It starts once the model has run
 ``COMPILE_AFTER_STEPS`` steps (a short script never compiles), and a process that exits while it
 runs waits for it to end (an interpreter torn down under it aborted the process). It is kept per
 model (``compiled_model``): a second engine (a second ``model.generate``) on the same model compiles
@@ -72,7 +74,7 @@ from ..model import lora, lora_rows
 from ..model.marks import ModelMarks, marks_for, tensor_index
 from ..model.weights import fingerprint
 from ..multimodal import CHECKED_FAMILIES, MultimodalInputs, MultimodalSteps
-from . import compile_record, linear_groups, packed_linear, sampled_rows
+from . import compile_record, linear_groups, packed_linear, prewarm, sampled_rows
 from .attention import COMPILED_STEP, CompiledStep
 from .patches import install_compile_patches
 
@@ -153,7 +155,11 @@ def wait_for_compiles_at_exit() -> None:
     interpreter refuses new worker futures. Past ``EXIT_WAIT_S`` the process exits regardless."""
     global _EXITING
     _EXITING = True
+    prewarm.stop_all()  # a compile in a child process is not waited for: its thread ends at once
     running = [thread for thread in list(_COMPILING) if thread.is_alive()]
+    for thread in running:
+        thread.join(0.5)
+    running = [thread for thread in running if thread.is_alive()]
     if running:
         logger.warning("hf_paged_attn: waiting (up to %.0f s) for the model's background compile to end before "
                        "exiting; PagedConfig(compile=False) (serve --no-compile) skips it", EXIT_WAIT_S)
@@ -250,15 +256,21 @@ class CompiledModel:
     retired: bool = False  # the model's adapters changed (``retire``): engines make a new graph for them
     kinds: tuple[StepKind, ...] = (StepKind(),)  # the kinds of step its graphs serve, each compiled at start
 
-    def start(self, device: torch.device, thread_counts: Sequence[int] = (), background: bool = True) -> None:
+    def start(
+        self,
+        device: torch.device,
+        thread_counts: Sequence[int] = (),
+        background: bool = True,
+        child: prewarm.Job | None = None,
+    ) -> None:
         """Compile in the background, once (later calls do nothing), one graph at the largest of
         ``thread_counts`` (default the caller's count), which serves steps of every count (``STEP_THREADS``).
-        ``background``: beside steps that serve requests; False: someone waits for it (``wait_compiled``,
-        ``compile="startup"``)."""
+        ``background``: beside steps that serve requests, first in a child process where ``child`` is given
+        (``prewarm.py``); False: someone waits for it (``wait_compiled``, ``compile="startup"``)."""
         with self.lock:
             if self.thread is not None:
                 return
-            args = (device, tuple(thread_counts) or (torch.get_num_threads(),), background)
+            args = (device, tuple(thread_counts) or (torch.get_num_threads(),), background, child)
             self.weights = fingerprint(self.tensors)
             install_compile_patches()  # before the thread can trace
             release = self.marks.open()  # the trace reads the marks: on the model until the compile ends
@@ -272,17 +284,27 @@ class CompiledModel:
             self.thread.start()
 
     def _compile(
-        self, release: Callable[[], None], device: torch.device, thread_counts: tuple[int, ...], background: bool
+        self,
+        release: Callable[[], None],
+        device: torch.device,
+        thread_counts: tuple[int, ...],
+        background: bool,
+        child: prewarm.Job | None,
     ) -> None:
         # A new thread takes torch's process-wide count at its first query, which an engine step may
         # have set to 1 for a moment: query first, then set (else the set could be undone by the init).
         torch.get_num_threads()
+        where = " in the background" + (" (first in a child process at low priority)" if child else "")
         logger.warning(
             "hf_paged_attn: compiling the model's forward%s (once per model and process; steps run eagerly meanwhile; "
-            "PagedConfig(compile=False) turns it off)", " in the background" if background else ""
+            "PagedConfig(compile=False) turns it off)", where if background else ""
         )
         start = time.perf_counter()
         try:
+            if child is not None:
+                child.run()  # fills inductor's disk cache: the compile below then loads its graphs from there
+                if _EXITING:
+                    raise RuntimeError("the interpreter is exiting")
             if self.pack and (model := self.model and self.model()) is not None:
                 packed_linear.pack(model)  # before the trace, so the first graph runs on the copies
             with torch.inference_mode():  # as the engine's steps are: dynamo guards on inference tensors
@@ -571,6 +593,11 @@ def run_graph(
             torch.set_num_threads(want)
 
 
+def compiled_model_of(model: torch.nn.Module) -> CompiledModel | None:
+    """``model``'s compiled forward, if an engine made one."""
+    return _MODELS.get(model)
+
+
 def wait_compiled(model: torch.nn.Module, timeout: float | None = None) -> bool:
     """Start ``model``'s background compile if an engine has run on it and it has not started (it
     starts by itself after ``COMPILE_AFTER_STEPS`` steps), and wait until it is done; True when its
@@ -588,9 +615,17 @@ class CompiledExecutor:
     compile is done. ``num_compiled_steps`` counts the steps the graph ran; ``compiled.num_compiles``
     the model's compiles (one per model and process)."""
 
-    def __init__(self, eager: LocalExecutor, layers: LayerKinds, thread_counts: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        eager: LocalExecutor,
+        layers: LayerKinds,
+        thread_counts: Sequence[int] = (),
+        child: prewarm.Job | None = None,
+    ) -> None:
+        """``child``: the background compile runs first in a child process (``prewarm.py``)."""
         self.eager = eager
         self.layers = layers
+        self.child = child
         self.compiled = compiled_model(eager.model, layers.windows)
         self.num_compiled_steps = 0
         self.num_padded_steps = 0
@@ -622,7 +657,7 @@ class CompiledExecutor:
         if not self.compiled.ready.is_set():
             self.compiled.num_eager_steps += 1
             if self.compiled.num_eager_steps >= COMPILE_AFTER_STEPS:  # a run long enough to pay for it
-                self.compiled.start(step.input_ids.device, self.thread_counts)
+                self.compiled.start(step.input_ids.device, self.thread_counts, child=self.child)
             return self._eager(step)
         if self.compiled.adapters_changed():  # a graph for the adapters the model holds now, compiled as at start
             logger.info("hf_paged_attn: the model's LoRA adapters changed: its forward compiles again for them")
