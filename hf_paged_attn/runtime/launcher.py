@@ -81,9 +81,8 @@ class LocalLauncher:
             from .cpu.compiled import CompiledExecutor
 
             # A compile in the background (not one at start-up, which waits for it) runs first in a child process.
-            child = None
-            if config.compile is True:
-                child = prewarm.job_for(model, bool(config.fp32_matmuls), bool(config.adaptive_threads))
+            fp32, adaptive = bool(config.fp32_matmuls), bool(config.adaptive_threads)
+            child = functools.partial(prewarm.job_for, model, fp32, adaptive) if config.compile is True else None
             executor = CompiledExecutor(eager, layers, counts, child)
             return self._threads(executor, counts, model)  # eager until compiled
         if not config.cuda_graphs:

@@ -620,9 +620,10 @@ class CompiledExecutor:
         eager: LocalExecutor,
         layers: LayerKinds,
         thread_counts: Sequence[int] = (),
-        child: prewarm.Job | None = None,
+        child: Callable[[], prewarm.Job | None] | None = None,
     ) -> None:
-        """``child``: the background compile runs first in a child process (``prewarm.py``)."""
+        """``child``: the job of a child process that compiles first, for the background compile (``prewarm.py``),
+        made when the compile starts (None: no child)."""
         self.eager = eager
         self.layers = layers
         self.child = child
@@ -657,7 +658,8 @@ class CompiledExecutor:
         if not self.compiled.ready.is_set():
             self.compiled.num_eager_steps += 1
             if self.compiled.num_eager_steps >= COMPILE_AFTER_STEPS:  # a run long enough to pay for it
-                self.compiled.start(step.input_ids.device, self.thread_counts, child=self.child)
+                job = self.child() if self.child is not None and self.compiled.thread is None else None
+                self.compiled.start(step.input_ids.device, self.thread_counts, child=job)
             return self._eager(step)
         if self.compiled.adapters_changed():  # a graph for the adapters the model holds now, compiled as at start
             logger.info("hf_paged_attn: the model's LoRA adapters changed: its forward compiles again for them")

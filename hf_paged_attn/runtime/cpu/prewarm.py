@@ -65,7 +65,7 @@ _BOOTSTRAP = _LOWEST_PRIORITY + (
 # ``HF_PAGED_ATTN_COMPILE_CHILD=0`` compiles in the process only; a process that wants that (a test suite) may also
 # set it to False once.
 ENABLED = os.environ.get("HF_PAGED_ATTN_COMPILE_CHILD", "1") != "0"
-TIMEOUT_S = 900.0  # the child's longest run (under full load it gets only the idle CPU)
+TIMEOUT_S = 900.0  # the child's longest run (under full load: idle CPU, then a small share)
 MEMORY_SHARE = 0.25  # the model's weights at most this share of the memory available, for the child's copy
 _CHILDREN: set[subprocess.Popen] = set()  # children running, stopped at exit (``stop_all``)
 _LOCK = threading.Lock()
@@ -74,13 +74,13 @@ _STOPPED = threading.Event()  # ``stop_all`` ran: no child is wanted any more
 
 @dataclass(frozen=True, slots=True)
 class Job:
-    """What the child needs to compile the graphs the engine's process will: the model's class, config (a
-    directory ``save_pretrained`` wrote), dtype and mode, torch's thread count and the engine's choices that
-    change the graph."""
+    """What the child needs to compile the graphs the engine's process will: the model's class, config (as
+    ``config.json`` holds it), dtype and mode, torch's thread count and the engine's choices that change the
+    graph."""
 
     module: str
     qualname: str
-    config_dir: str
+    config: str
     dtype: str
     training: bool
     threads: int
@@ -92,7 +92,8 @@ class Job:
         compiled. Its output goes to a log file whose tail is logged when it fails."""
         with tempfile.TemporaryDirectory(prefix="hf_paged_attn-prewarm-") as tmp:
             job_path, log_path = Path(tmp) / "job.json", Path(tmp) / "child.log"
-            job_path.write_text(json.dumps(dataclasses.asdict(self)))
+            job_path.write_text(json.dumps(dataclasses.asdict(self)))  # the child reads config.json beside it
+            (Path(tmp) / "config.json").write_text(self.config)
             env = {
                 **os.environ,
                 "TORCHINDUCTOR_COMPILE_THREADS": "1",  # its C++ builds one at a time
@@ -129,14 +130,13 @@ class Job:
 
 def job_for(model: torch.nn.Module, fp32_matmuls: bool, adaptive_threads: bool) -> Job | None:
     """The child's job for ``model`` and the engine's choices, or None where the child can't help: see the
-    module's docstring (its config is written to a temporary directory that lives as long as the process)."""
+    module's docstring."""
     if not ENABLED or not torch_private.inductor_disk_cache_on() or not _rebuildable(model) or not _fits(model):
         return None
-    config_dir = tempfile.mkdtemp(prefix="hf_paged_attn-prewarm-config-")
-    model.config.save_pretrained(config_dir)
     cls = type(model)
-    return Job(cls.__module__, cls.__qualname__, config_dir, str(model.dtype).removeprefix("torch."),
-               model.training, torch.get_num_threads(), fp32_matmuls, adaptive_threads)  # fmt: skip
+    return Job(cls.__module__, cls.__qualname__, model.config.to_json_string(use_diff=False),
+               str(model.dtype).removeprefix("torch."), model.training, torch.get_num_threads(), fp32_matmuls,
+               adaptive_threads)  # fmt: skip
 
 
 def _rebuildable(model: torch.nn.Module) -> bool:

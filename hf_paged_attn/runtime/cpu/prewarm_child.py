@@ -40,12 +40,13 @@ def _exit_with_parent(parent: int) -> None:
 
 def main(argv: list[str]) -> int:
     """The child: build the job's model with random weights and compile it as an engine would at start-up."""
-    job = Job(**json.loads(Path(argv[0]).read_text()))
+    job_path = Path(argv[0])
+    job = Job(**json.loads(job_path.read_text()))
     threading.Thread(target=_share_after, args=(IDLE_ONLY_S,), daemon=True).start()
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     torch.set_num_threads(job.threads)
     cls = getattr(importlib.import_module(job.module), job.qualname)
-    config = AutoConfig.from_pretrained(job.config_dir)
+    config = AutoConfig.from_pretrained(job_path.parent)  # the job's config.json
     model = cls._from_config(config, dtype=getattr(torch, job.dtype), attn_implementation="paged")
     model.train(job.training)
     engine_config = PagedConfig(compile="startup", num_blocks=16, enable_prefix_caching=False, progress_bar=False,

@@ -42,7 +42,7 @@ def test_the_background_compile_loads_the_graphs_its_child_compiled(fresh_caches
     config = PagedConfig(num_blocks=64, compile=True, adaptive_threads=False)
     with ContinuousBatchingEngine(paged, config) as engine, caplog.at_level(logging.INFO, logger=prewarm.__name__):
         executor = engine.executor
-        assert executor.child is not None and executor.child.qualname == "LlamaForCausalLM"
+        assert executor.child is not None and executor.child().qualname == "LlamaForCausalLM"
         torch._dynamo.utils.counters.clear()
         engine.generate(prompts, max_new_tokens=6)  # eager; the compile starts after its second step
         assert executor.compiled.ready.wait(timeout=600) and executor.compiled.failed is None
@@ -79,7 +79,7 @@ def test_no_child_for_a_compile_at_start_up_or_a_model_it_cannot_rebuild(fresh_c
 
 
 def test_a_failing_child_is_logged_and_run_says_so(fresh_caches, caplog) -> None:
-    job = prewarm.Job("no_such_module_here", "Model", str(fresh_caches), "float32", False, 1, False, False)
+    job = prewarm.Job("no_such_module_here", "Model", "{}", "float32", False, 1, False, False)
     with caplog.at_level(logging.WARNING, logger=prewarm.__name__):
         assert job.run(timeout=120) is False
     assert "failed (exit status 1)" in caplog.text and "no_such_module_here" in caplog.text
@@ -103,7 +103,7 @@ def test_the_child_runs_on_idle_time_only_then_at_nice_19() -> None:
 def test_stop_all_ends_a_running_child_at_once(fresh_caches, monkeypatch) -> None:
     monkeypatch.setattr(prewarm, "_BOOTSTRAP", "import time; time.sleep(120)")
     monkeypatch.setattr(prewarm, "_STOPPED", threading.Event())
-    job = prewarm.Job("m", "M", str(fresh_caches), "float32", False, 1, False, False)
+    job = prewarm.Job("m", "M", "{}", "float32", False, 1, False, False)
     result: list[bool] = []
     runner = threading.Thread(target=lambda: result.append(job.run()))
     runner.start()
