@@ -90,14 +90,21 @@ logger = logging.getLogger(__name__)
 # (``/tmp/torchinductor_$USER``) serves to every later process, which then compiles in seconds instead of
 # 25-50 s. The post-grad pass ``sampled_rows.SAMPLED_ROWS`` computes only the sampled rows after the last
 # attention, then (``linear_groups.GROUP_LINEARS``) makes the projections that share an input (q/k/v, gate/up)
-# one matmul.
+# one matmul. A half-precision model's graph calls its kernels from C++ (``cpp_wrapper``), not from generated
+# Python: passes after the compile, fresh processes alternating, 3 rounds, medians (``hf-paged-attn bench vllm
+# --systems ours,ours+cppw --variant cppw:TORCHINDUCTOR_CPP_WRAPPER=1 --no-start-passes``): the bundled model in
+# bf16 8,128 against 6,830 tok/s (1.19x), the 30M Llama in bf16 1,385 against 1,298 (1.07x, 6% less CPU time),
+# float32 level (5,933 against 6,098 and 738 against 721), so float32 keeps the Python wrapper.
+HALF_PRECISION = (torch.bfloat16, torch.float16)
 
 
-def inductor_options() -> dict[str, object]:
-    """The compiled forward's inductor options: no ``freezing``, the sampled rows only after the last attention
-    and the packed projections grouped (see above), and kernels that take the thread count at run time
-    (``cpp.dynamic_threads``: one graph serves every count, see ``STEP_THREADS``)."""
-    return {"freezing": False, "post_grad_custom_pre_pass": sampled_rows.SAMPLED_ROWS, "cpp.dynamic_threads": True}
+def inductor_options(dtype: torch.dtype = torch.float32) -> dict[str, object]:
+    """The compiled forward's inductor options for a model of ``dtype``: no ``freezing``, the sampled rows only
+    after the last attention and the packed projections grouped, the kernels called from C++ in half precision
+    (see above), and kernels that take the thread count at run time (``cpp.dynamic_threads``: one graph serves
+    every count, see ``STEP_THREADS``)."""
+    return {"freezing": False, "post_grad_custom_pre_pass": sampled_rows.SAMPLED_ROWS, "cpp.dynamic_threads": True,
+            "cpp_wrapper": dtype in HALF_PRECISION}  # fmt: skip
 
 
 INDUCTOR_OPTIONS: dict[str, object] = inductor_options()
@@ -255,6 +262,7 @@ class CompiledModel:
     slots: dict[str, int] = field(default_factory=dict)
     retired: bool = False  # the model's adapters changed (``retire``): engines make a new graph for them
     kinds: tuple[StepKind, ...] = (StepKind(),)  # the kinds of step its graphs serve, each compiled at start
+    options: dict[str, object] = field(default_factory=inductor_options)  # inductor's, for the model's dtype
 
     def start(
         self,
@@ -529,7 +537,8 @@ def compiled_model(model: torch.nn.Module, windows: list[int | None]) -> Compile
     graph = torch.compile(forward, backend=_backend)
     found = _MODELS[model] = CompiledModel(graph, modules, tensors, pack=pack, model=model_ref, regions=regions,
                                            marks=marks, lora=router, lora_key=lora_key, kinds=kinds,
-                                           slots=router.slots if router is not None else {})  # fmt: skip
+                                           slots=router.slots if router is not None else {},
+                                           options=inductor_options(model.dtype))  # fmt: skip
     return found
 
 
@@ -577,7 +586,7 @@ def run_graph(
         torch.set_num_threads(compiled.threads)
         threads_token = STEP_THREADS.set(want)
     try:
-        with torch_private.compile_settings(INDUCTOR_OPTIONS):
+        with torch_private.compile_settings(compiled.options):
             try:
                 with stance:
                     return compiled.forward(tokens, position_ids, logits_indices, *lora_args)

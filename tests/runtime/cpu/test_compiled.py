@@ -342,8 +342,11 @@ def test_exiting_while_the_compile_runs_exits_cleanly(llama_dir) -> None:
 def test_weights_stay_graph_inputs() -> None:
     """Unfrozen (``packed_linear`` packs them), so that inductor's disk cache can serve later processes; the
     graph pass computes only the sampled rows after the last attention, then groups the projections that share
-    an input; the kernels read the thread count at run time."""
+    an input; the kernels read the thread count at run time; a half-precision graph calls them from C++."""
     from hf_paged_attn.runtime.cpu import compiled, sampled_rows
 
     assert compiled.inductor_options() == {"freezing": False, "post_grad_custom_pre_pass": sampled_rows.SAMPLED_ROWS,
-                                           "cpp.dynamic_threads": True}  # fmt: skip
+                                           "cpp.dynamic_threads": True, "cpp_wrapper": False}  # fmt: skip
+    assert compiled.inductor_options(torch.float32)["cpp_wrapper"] is False
+    assert compiled.inductor_options(torch.bfloat16)["cpp_wrapper"] is True
+    assert compiled.inductor_options(torch.float16)["cpp_wrapper"] is True

@@ -219,6 +219,7 @@ def test_compiled_bf16_engine_runs_packed_linears_and_equals_sdpa(llama_dir, cou
     with ContinuousBatchingEngine(paged, config) as engine:
         inner = getattr(engine.executor, "inner", engine.executor)  # under adaptive threads with >1 thread
         assert isinstance(inner, CompiledExecutor) and inner.compiled.pack
+        assert inner.compiled.options["cpp_wrapper"]  # a half-precision graph calls its kernels from C++
         assert engine.executor.wait(timeout=600) and engine.executor.failed is None
         counted.clear()
         got = [o.output_ids for o in engine.generate(prompts, max_new_tokens=10)]
