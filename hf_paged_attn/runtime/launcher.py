@@ -81,8 +81,10 @@ class LocalLauncher:
             from .cpu.compiled import CompiledExecutor
 
             # A compile in the background (not one at start-up, which waits for it) runs first in a child process.
-            fp32, adaptive = bool(config.fp32_matmuls), bool(config.adaptive_threads)
-            child = functools.partial(prewarm.job_for, model, fp32, adaptive) if config.compile is True else None
+            child = None
+            if config.compile is True:  # (torch's thread count now: a step may set another while it runs)
+                child = functools.partial(prewarm.job_for, model, bool(config.fp32_matmuls),
+                                          bool(config.adaptive_threads), torch.get_num_threads())  # fmt: skip
             executor = CompiledExecutor(eager, layers, counts, child)
             return self._threads(executor, counts, model)  # eager until compiled
         if not config.cuda_graphs:

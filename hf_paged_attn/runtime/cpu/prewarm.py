@@ -128,14 +128,14 @@ class Job:
             return False
 
 
-def job_for(model: torch.nn.Module, fp32_matmuls: bool, adaptive_threads: bool) -> Job | None:
-    """The child's job for ``model`` and the engine's choices, or None where the child can't help: see the
-    module's docstring."""
+def job_for(model: torch.nn.Module, fp32_matmuls: bool, adaptive_threads: bool, threads: int) -> Job | None:
+    """The child's job for ``model``, the engine's choices and torch's thread count when the engine was made,
+    or None where the child can't help: see the module's docstring."""
     if not ENABLED or not torch_private.inductor_disk_cache_on() or not _rebuildable(model) or not _fits(model):
         return None
     cls = type(model)
     return Job(cls.__module__, cls.__qualname__, model.config.to_json_string(use_diff=False),
-               str(model.dtype).removeprefix("torch."), model.training, torch.get_num_threads(), fp32_matmuls,
+               str(model.dtype).removeprefix("torch."), model.training, threads, fp32_matmuls,
                adaptive_threads)  # fmt: skip
 
 

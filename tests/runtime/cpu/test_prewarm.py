@@ -39,10 +39,11 @@ def test_the_background_compile_loads_the_graphs_its_child_compiled(fresh_caches
     assert not compile_record.recorded(paged)
     prompts = ragged_prompts(3, 3, 20, seed=7)
     expected = [reference_greedy(ref, p, 6) for p in prompts]
-    config = PagedConfig(num_blocks=64, compile=True, adaptive_threads=False)
+    config = PagedConfig(num_blocks=64, compile=True)  # adaptive threads: steps at 1 and 2
     with ContinuousBatchingEngine(paged, config) as engine, caplog.at_level(logging.INFO, logger=prewarm.__name__):
-        executor = engine.executor
-        assert executor.child is not None and executor.child().qualname == "LlamaForCausalLM"
+        executor = getattr(engine.executor, "inner", engine.executor)  # under adaptive threads: the tuner's
+        job = executor.child()
+        assert job.qualname == "LlamaForCausalLM" and job.threads == torch.get_num_threads()
         torch._dynamo.utils.counters.clear()
         engine.generate(prompts, max_new_tokens=6)  # eager; the compile starts after its second step
         assert executor.compiled.ready.wait(timeout=600) and executor.compiled.failed is None
@@ -56,26 +57,26 @@ def test_the_background_compile_loads_the_graphs_its_child_compiled(fresh_caches
 
 def test_no_child_for_a_compile_at_start_up_or_a_model_it_cannot_rebuild(fresh_caches, llama_dir, monkeypatch):
     _, paged = load_pair(llama_dir)
-    assert prewarm.job_for(paged, False, False) is not None
+    assert prewarm.job_for(paged, False, False, 2) is not None
     with ContinuousBatchingEngine(paged, PagedConfig(num_blocks=16, compile="startup", adaptive_threads=False)) as e:
         assert e.executor.child is None  # it waits for its compile: nothing runs beside it
     monkeypatch.setattr(prewarm, "ENABLED", False)
-    assert prewarm.job_for(paged, False, False) is None
+    assert prewarm.job_for(paged, False, False, 2) is None
     monkeypatch.setattr(prewarm, "ENABLED", True)
     with torch._inductor.config.patch(force_disable_caches=True):  # the child's graphs would be lost
-        assert prewarm.job_for(paged, False, False) is None
+        assert prewarm.job_for(paged, False, False, 2) is None
     monkeypatch.setattr(prewarm, "MEMORY_SHARE", 1e-12)  # no room for a second copy
-    assert prewarm.job_for(paged, False, False) is None
+    assert prewarm.job_for(paged, False, False, 2) is None
     monkeypatch.setattr(prewarm, "MEMORY_SHARE", 0.25)
     paged.config.quantization_config = {"quant_method": "bitsandbytes"}
-    assert prewarm.job_for(paged, False, False) is None
+    assert prewarm.job_for(paged, False, False, 2) is None
     del paged.config.quantization_config
 
     class Local(type(paged)):  # a class the child can't import by name
         pass
 
     paged.__class__ = Local
-    assert prewarm.job_for(paged, False, False) is None
+    assert prewarm.job_for(paged, False, False, 2) is None
 
 
 def test_a_failing_child_is_logged_and_run_says_so(fresh_caches, caplog) -> None:
