@@ -436,7 +436,10 @@ class ContinuousBatchingEngine(BatchAPI):
             return self.updater.fail(plan, exc) + self._advance_lockstep()
         self.counters.num_steps += 1
         self.counters.forward_seconds += time.perf_counter() - forward_start - output.sample_seconds
-        return self.updater.update(plan, output)
+        outputs = self.updater.update(plan, output)
+        if self.grammars is not None:  # the matchers have their tokens: the next step's masks fill from here on
+            self.sampler.prefill_masks(self.scheduler.running)
+        return outputs
 
     def _take_intake(self) -> list[RequestOutput]:
         """Move new requests to the scheduler and carry out aborts; returns the aborted outputs."""
@@ -487,6 +490,7 @@ class ContinuousBatchingEngine(BatchAPI):
         try:
             self.executor.close()
             self.speculator.close()
+            self.sampler.close()
         finally:
             self._release_marks()
 

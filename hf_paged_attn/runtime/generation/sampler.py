@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,6 +30,9 @@ from .beam import BeamGroup
 from .lockstep import Lockstep, LockstepStep
 from .processors import TokenHistory
 from .sampling import Sample, prompt_token_logprobs, sample_one, sample_rows
+
+if TYPE_CHECKING:
+    from .mask_prefill import MaskPrefill
 
 
 @dataclass(slots=True)
@@ -60,6 +64,23 @@ class Sampler:
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator  # the engine's: requests without their own seed draw from it
         self.history: TokenHistory | None = None  # made on the logits' device at the first step
+        self.masks: MaskPrefill | None = None  # the next step's grammar masks, filled ahead (``prefill_masks``)
+
+    def prefill_masks(self, requests: Sequence[Request]) -> None:
+        """After a step's update: fill the grammar masks of ``requests`` (the running ones) that are constrained,
+        for the next step, while the engine's Python runs (``mask_prefill.py``)."""
+        matchers = [r.matcher for r in requests if r.matcher is not None and not r.finished]
+        if matchers and self.masks is None:  # (imported at the first constrained request: llguidance is large)
+            from .mask_prefill import MaskPrefill
+
+            self.masks = MaskPrefill()
+        if self.masks is not None:
+            self.masks.start(matchers)
+
+    def close(self) -> None:
+        """Stop the mask-filling thread, if one was started."""
+        if self.masks is not None:
+            self.masks.close()
 
     def sample(
         self, plan: SchedulerOutput, logits: torch.Tensor, scored: Sequence[tuple[int, range]] = ()
@@ -68,6 +89,8 @@ class Sampler:
         reached the end of its known tokens, in the plan's order (a speculating request: its ``1 + k``),
         then the rows of ``scored`` (``attention.step.prompt_scoring``). Read before the plan is
         committed (``num_computed_tokens``: each chunk's start)."""
+        # before anything here copies a matcher (forks) or the update advances them
+        prefilled = self.masks.take() if self.masks is not None else {}
         out = StepOutput()
         if self.history is None:
             self.history = TokenHistory(logits.device)
@@ -80,9 +103,9 @@ class Sampler:
         rows = [row for row, r in enumerate(sampled) if r.group is None and r.sampling.lockstep is None]
         constrained = [row for row in rows if sampled[row].matcher is not None]
         if constrained:  # grammar masks first: processors, sampling and forks see only allowed tokens
-            from .structured import mask_rows
+            from .mask_prefill import mask_rows
 
-            mask_rows(logits, [sampled[row].matcher for row in constrained], constrained)
+            mask_rows(logits, [sampled[row].matcher for row in constrained], constrained, prefilled)
         mine = logits if len(rows) == len(sampled) else logits[rows]  # no groups: no [rows, vocab] copy
         for row, sample in zip(rows, sample_rows(mine, [sampled[row] for row in rows], self.generator, self.history)):
             parent, row_logits = sampled[row], logits[row : row + 1]

@@ -214,6 +214,11 @@ class Matcher:
             assert ok, self._m.get_error()
             self.num_tokens -= num_tokens
 
+    @property
+    def ended(self) -> bool:
+        """Whether an EOS was accepted after the grammar had stopped."""
+        return self._ended
+
     def is_terminated(self) -> bool:
         """True once no token but EOS may follow (or EOS was accepted): the request must end now."""
         return self._ended or self._m.is_stopped()

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
 from hf_paged_attn.demo import DEMO_MODEL
+from hf_paged_attn.runtime.generation import mask_prefill
 
 SAMPLED = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
 SCHEMAS = {
@@ -71,17 +72,23 @@ def allowed_tokens(matcher: llguidance.LLMatcher, vocab: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", ["enum_and_bounds", "nested_array_ref"])
-def test_constrained_greedy_is_the_argmax_of_masked_sdpa_logits(demo_engine_parts, name):
+def test_constrained_greedy_is_the_argmax_of_masked_sdpa_logits(demo_engine_parts, name, monkeypatch):
     """At each position of a constrained greedy output, its token is the argmax of sdpa's logits over
     the tokens llguidance's own matcher (built here, not through the engine's compiler) allows after
-    the tokens before it, up to a 1e-4 near-tie; the output ends where the grammar does."""
+    the tokens before it, up to a 1e-4 near-tie; the output ends where the grammar does. Every mask but the
+    first token's was filled ahead, between steps (``mask_prefill.py``)."""
     tokenizer, model = demo_engine_parts
     ref = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, attn_implementation="sdpa").eval()
     ids, schema = prompt(tokenizer), SCHEMAS[name]
+    filled_now: list[int] = []  # rows the sampler filled itself, not ahead
+    fill_now = mask_prefill.structured_mask_rows
+    monkeypatch.setattr(mask_prefill, "structured_mask_rows",
+                        lambda logits, ms, rows: (filled_now.append(len(rows)), fill_now(logits, ms, rows)))
     engine = ContinuousBatchingEngine(model, PagedConfig())
     rid = engine.add_request(ids, max_new_tokens=80, tokenizer=tokenizer, structured={"json": schema})
     (out,) = engine.collect([rid])
     assert out.finish_reason in ("stop", "eos"), out.finish_reason
+    assert filled_now == [1] and len(out.output_ids) > 5  # the first token's mask; the others' filled ahead
     vocab = model.config.vocab_size
     # the engine's JSON settings (structured.GrammarCompiler): compact separators, \uXXXX escapes
     options = {"json_allow_general_unicode_escapes": True, "whitespace_flexible": False,
