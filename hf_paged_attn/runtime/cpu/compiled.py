@@ -162,11 +162,12 @@ def wait_for_compiles_at_exit() -> None:
     interpreter refuses new worker futures. Past ``EXIT_WAIT_S`` the process exits regardless."""
     global _EXITING
     _EXITING = True
-    prewarm.stop_all()  # a compile in a child process is not waited for: its thread ends at once
+    stopped = prewarm.stop_all()  # a compile in a child process is not waited for: its thread ends at once
     running = [thread for thread in list(_COMPILING) if thread.is_alive()]
-    for thread in running:
-        thread.join(0.5)
-    running = [thread for thread in running if thread.is_alive()]
+    if stopped:
+        for thread in running:
+            thread.join(0.5)
+        running = [thread for thread in running if thread.is_alive()]
     if running:
         logger.warning("hf_paged_attn: waiting (up to %.0f s) for the model's background compile to end before "
                        "exiting; PagedConfig(compile=False) (serve --no-compile) skips it", EXIT_WAIT_S)

@@ -167,10 +167,11 @@ def _fits(model: torch.nn.Module) -> bool:
     return size <= MEMORY_SHARE * available
 
 
-def stop_all() -> None:
-    """Kill every child still running (the process exits: its compile is no longer wanted)."""
+def stop_all() -> int:
+    """Kill every child still running (the process exits: its compile is no longer wanted); how many."""
     _STOPPED.set()
     with _LOCK:
         children = list(_CHILDREN)
     for child in children:
         child.kill()
+    return len(children)

@@ -117,3 +117,33 @@ def test_stop_all_ends_a_running_child_at_once(fresh_caches, monkeypatch) -> Non
     runner.join(timeout=30)
     assert not runner.is_alive() and result == [False] and time.monotonic() - start < 10
     assert not prewarm._CHILDREN
+
+
+EXIT_SCRIPT = """
+import sys, time, torch, hf_paged_attn
+from transformers import AutoModelForCausalLM
+from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
+from hf_paged_attn.runtime.cpu import compiled, prewarm
+compiled.COMPILE_AFTER_STEPS = 2
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], attn_implementation="paged").eval()
+engine = ContinuousBatchingEngine(model, PagedConfig(num_blocks=32, compile=True))
+engine.generate([[1, 2, 3]], max_new_tokens=4)
+deadline = time.monotonic() + 60
+while not prewarm._CHILDREN and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(*[child.pid for child in prewarm._CHILDREN])
+"""
+
+
+def test_a_process_that_exits_while_its_child_compiles_stops_the_child_at_once(fresh_caches, llama_dir) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, llama_dir], capture_output=True, text=True,
+                          timeout=300, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    pids = [int(p) for p in done.stdout.split()]
+    assert len(pids) == 1, done.stdout + done.stderr[-2000:]
+    assert time.monotonic() - start < 60  # not the child's compile (nor a wait for it) at exit
+    assert "waiting" not in done.stderr
+    with pytest.raises(ProcessLookupError):
+        os.kill(pids[0], 0)  # killed and reaped, not left running
