@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .structured import GrammarCompiler, Matcher, apply_bitmask
+from .structured import GrammarCompiler, Matcher, apply_bitmask, by_compiler
 from .structured import mask_rows as structured_mask_rows
 
 
@@ -51,11 +51,8 @@ class MaskPrefill:
         self.take()  # one fill at a time (a step whose sampler took nothing left one running)
         if not matchers:
             return
-        groups: dict[int, tuple[GrammarCompiler, list[Matcher]]] = {}
-        for matcher in matchers:
-            groups.setdefault(id(matcher.compiler), (matcher.compiler, []))[1].append(matcher)
         jobs, masks = [], {}
-        for compiler, group in groups.values():
+        for compiler, group, _ in by_compiler(matchers, range(len(matchers))):
             bitmask = compiler.allocate_bitmask(len(group))  # [len(group), ceil(vocab / 32)] int32
             jobs.append((compiler, group, bitmask))
             for row, m in enumerate(group):

@@ -414,14 +414,21 @@ class Grammars:
         return entry[1].matcher(spec)
 
 
-def mask_rows(logits: torch.Tensor, matchers: Sequence[Matcher], rows: Sequence[int]) -> None:
-    """``GrammarCompiler.mask_logits`` for matchers of any compilers (grouped by theirs)."""
-    by_compiler: dict[int, tuple[GrammarCompiler, list[Matcher], list[int]]] = {}
+def by_compiler(
+    matchers: Sequence[Matcher], rows: Sequence[int]
+) -> list[tuple[GrammarCompiler, list[Matcher], list[int]]]:
+    """``matchers`` (and their ``rows``) grouped by their compiler: (compiler, its matchers, their rows)."""
+    groups: dict[int, tuple[GrammarCompiler, list[Matcher], list[int]]] = {}
     for matcher, row in zip(matchers, rows, strict=True):
-        _, ms, rs = by_compiler.setdefault(id(matcher.compiler), (matcher.compiler, [], []))
+        _, ms, rs = groups.setdefault(id(matcher.compiler), (matcher.compiler, [], []))
         ms.append(matcher)
         rs.append(row)
-    for compiler, ms, rs in by_compiler.values():
+    return list(groups.values())
+
+
+def mask_rows(logits: torch.Tensor, matchers: Sequence[Matcher], rows: Sequence[int]) -> None:
+    """``GrammarCompiler.mask_logits`` for matchers of any compilers (grouped by theirs)."""
+    for compiler, ms, rs in by_compiler(matchers, rows):
         compiler.mask_logits(logits, ms, rs)
 
 
