@@ -26,6 +26,7 @@ import torch
 from ...core.request import Request, TokenLogprob
 from ...core.scheduler import SchedulerOutput
 from ..speculative.verify import verify
+from .argmax import row_argmax
 from .beam import BeamGroup
 from .lockstep import Lockstep, LockstepStep
 from .processors import TokenHistory
@@ -165,7 +166,7 @@ class Sampler:
             return logits, sampled
         assert row == logits.shape[0], f"{row} rows expected, the step has {logits.shape[0]}"
         greedy = any(not s.request.sampling.needs_row_work for s, _ in runs)
-        argmax = logits.argmax(dim=-1).tolist() if greedy else None
+        argmax = row_argmax(logits).tolist() if greedy else None
         for s, first in runs:
             k, raw = len(s.draft_ids), logits[first : first + 1 + len(s.draft_ids)]
             try:

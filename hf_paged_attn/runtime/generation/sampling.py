@@ -35,6 +35,7 @@ from ... import transformers_private as hf
 from ...core.request import Request, TokenLogprob
 from ..model.placement import input_device
 from ..speculative.config import check_generation_options
+from .argmax import row_argmax
 from .processors import ProcessorPlan, Rows, TokenHistory, openai_options, plan_processors, run_plans
 
 SUPPORTED_MODES = (
@@ -289,7 +290,8 @@ def sample_tokens(
     the requests themselves (tests). ``isolate``: a row's exception is returned as its sample
     (``sample_rows``) rather than raised.
     """
-    tokens = logits.argmax(dim=-1).tolist()  # greedy rows need nothing more
+    greedy = any(not request.sampling.needs_row_work for request in requests)
+    tokens = row_argmax(logits).tolist() if greedy else []  # greedy rows need nothing more
     samples: list[Sample | None] = [None] * len(requests)
     together: dict[tuple, list[int]] = {}
     for row, request in enumerate(requests):

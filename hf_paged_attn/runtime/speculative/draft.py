@@ -37,6 +37,7 @@ from ...core.scheduler import ScheduledRequest
 from ...kernels.base import AttentionBackend
 from ..cpu import fp32_matmuls
 from ..executor import LocalExecutor
+from ..generation.argmax import row_argmax
 from ..generation.sampling import draw
 from ..model.marks import marks_for
 from ..model.placement import input_device
@@ -201,7 +202,7 @@ class DraftProposer:
     ) -> tuple[list[int], list[torch.Tensor | None]]:
         """The draft's token per row: greedy requests its argmax, sampled ones a draw from their
         processed distribution (returned too: the verifier's ``q``)."""
-        tokens = logits.argmax(dim=-1).tolist()
+        tokens = row_argmax(logits).tolist()
         probs: list[torch.Tensor | None] = [None] * len(requests)
         for row, request in enumerate(requests):
             params = request.sampling
