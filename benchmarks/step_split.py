@@ -1,6 +1,7 @@
 """Where a ``vs_vllm.py`` row's time goes in our engine, by kind of step: prompt steps (any step with a prompt
 token) and decode steps, each split into their wall time, the process's CPU time (2 threads: 2.0 is both cores
-busy), and, in one more run under ``torch.profiler``, the linears, the attention op and the rest.
+busy), the time outside the forwards by part (the scheduler, the step's tensors, the sampler, the update), and,
+in one more run under ``torch.profiler``, the linears, the attention op and the rest.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/step_split.py [--row random|demo] [--dtype float32] [--runs 3]
         [--no-profile]
@@ -57,6 +58,29 @@ def timed_steps(engine: object, record: Callable[[str, float, float], None], lab
     engine.executor.execute = timed
 
 
+def timed_host_parts(engine: object, spent: dict[str, float]) -> None:
+    """Wraps the engine's host-side parts of a step (the scheduler, the step's tensors, the sampler, the update)
+    so that each adds its wall seconds to ``spent[name]``: the time outside the forwards, part by part."""
+    from hf_paged_attn.runtime import worker
+
+    def timed(owner: object, attr: str, name: str) -> None:
+        call = getattr(owner, attr)
+
+        def wrapper(*args: object, **kwargs: object) -> object:
+            start = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - start
+
+        setattr(owner, attr, wrapper)
+
+    timed(engine.scheduler, "schedule", "schedule")
+    timed(worker, "build_step", "build_step")  # the name worker.execute calls
+    timed(engine.worker.sampler, "sample", "sample")
+    timed(engine.updater, "update", "update")
+
+
 def split_profile(events: list) -> dict[str, dict[str, float]]:
     """Seconds of each step kind's linears, attention and rest, from the profiler's events (wall time on the
     calling thread: an op's ``cpu_time_total`` is its span there, its OpenMP workers included)."""
@@ -106,13 +130,18 @@ def main(argv: list[str] | None = None) -> None:
 
     original = engine.executor.execute
     timed_steps(engine, record)
+    host: dict[str, float] = defaultdict(float)  # part -> wall s outside the forwards
+    timed_host_parts(engine, host)
     for r in range(args.runs):
         totals.clear()
+        host.clear()
         start, cpu = time.perf_counter(), time.process_time()
         run()
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu
         inside = sum(t[1] for t in totals.values())
-        print(f"run {r + 1}: wall {wall:.2f} s, CPU {cpu:.2f} s; outside the forwards wall {wall - inside:.2f} s")
+        print(f"run {r + 1}: wall {wall:.2f} s, CPU {cpu:.2f} s; outside the forwards wall {wall - inside:.2f} s ("
+              + ", ".join(f"{name} {seconds:.3f}" for name, seconds in host.items())
+              + f", the rest {wall - inside - sum(host.values()):.3f})")  # fmt: skip
         for kind in KINDS:
             steps, w, c = totals.get(kind, (0, 0.0, 0.0))
             if steps:

@@ -188,6 +188,8 @@ class Request:
         """A new token, with what the request records along with it (None: nothing to record)."""
         self.output_ids.append(token)
         self.new_ids.append(token)
+        if scores is None and logits is None and logprob is None:  # most tokens: nothing else to record
+            return
         for name, value in (("scores", scores), ("logits", logits), ("logprobs", logprob)):
             if value is not None:
                 if getattr(self, name) is None:

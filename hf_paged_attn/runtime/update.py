@@ -105,7 +105,7 @@ class Updater:
             request.append(sample.token, sample.scores, sample.logits, sample.logprob)
             self.counters.num_generated_tokens += 1
             self.counters.num_accepted_tokens += int(i < num_accepted)
-            reason = _finish_reason(request, sample.token, drawn.logits[i : i + 1])
+            reason = _finish_reason(request, sample.token, drawn.logits, drawn.first + i)
             if reason is not None:
                 if drawn.num_drafted:
                     self.kv.commit(request, i + 1)  # t0 and the proposals before this token: all verified
@@ -157,15 +157,17 @@ class Updater:
         return request.take_output()
 
 
-def _finish_reason(request: Request, token: int, logits: torch.Tensor) -> tuple[str, Exception | None] | None:
-    """Why ``request`` ends at its newest token ``token`` (its raw row ``logits`` [1, vocab] is what its
-    stopping criteria see), or None: the one rule for every token but a lockstep batch's (whose caller's
-    criteria run on the whole batch, ``lockstep.py``)."""
+def _finish_reason(
+    request: Request, token: int, logits: torch.Tensor, row: int
+) -> tuple[str, Exception | None] | None:
+    """Why ``request`` ends at its newest token ``token`` (row ``row`` of the step's raw ``logits`` [rows, vocab]
+    is what its stopping criteria see), or None: the one rule for every token but a lockstep batch's (whose
+    caller's criteria run on the whole batch, ``lockstep.py``)."""
     matcher = request.matcher
     if matcher is not None and not matcher.accept(token):
         return "error", ValueError(matcher.error or f"token {token} does not match the grammar")
     try:
-        stop = should_stop(request, logits)
+        stop = bool(request.sampling.stopping) and should_stop(request, logits[row : row + 1])
     except Exception as exc:  # a caller's stopping criterion raised: that request fails alone
         return "error", exc
     if token in request.sampling.eos_token_ids:
