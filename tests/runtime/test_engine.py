@@ -276,3 +276,29 @@ def test_cache_sized_from_memory_when_num_blocks_is_none(llama_pair):
     # capped at what max_num_seqs full-length (512-token) sequences can use
     assert engine.allocator.num_blocks == 4 * 512 // 16
     assert len(engine.generate([[1, 2, 3]], max_new_tokens=3)[0].output_ids) == 3
+
+
+def test_stopping_criteria_see_their_own_row(llama_pair):
+    """Each request's criterion gets its own raw logits row: for greedy requests without processors, the row whose
+    argmax is the token just appended (requests in one step sit in different rows of the step's logits)."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class Record(StoppingCriteria):
+        def __init__(self) -> None:
+            self.calls: list[tuple[int, int, tuple[int, ...]]] = []  # (last id, argmax of scores, scores' shape)
+
+        def __call__(self, input_ids, scores, **kwargs):  # noqa: ANN001, ANN003
+            self.calls.append((int(input_ids[0, -1]), int(scores.argmax(-1)), tuple(scores.shape)))
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    _, paged = llama_pair
+    engine = ContinuousBatchingEngine(paged, PagedConfig(block_size=4, num_blocks=64))
+    criteria = {engine.add_request(prompt, max_new_tokens=6, stopping_criteria=StoppingCriteriaList([c])): c
+                for prompt, c in (([1, 2, 3, 4], Record()), ([9, 8, 7], Record()), ([5, 11, 6, 2, 13], Record()))}
+    finals = {o.request_id: o for o in engine.stream() if o.finished}
+    vocab = paged.config.vocab_size
+    for request_id, criterion in criteria.items():
+        assert len(criterion.calls) == len(finals[request_id].output_ids) == 6
+        assert all(shape == (1, vocab) for _, _, shape in criterion.calls)
+        assert [last for last, _, _ in criterion.calls] == finals[request_id].output_ids
+        assert all(last == best for last, best, _ in criterion.calls), criterion.calls
