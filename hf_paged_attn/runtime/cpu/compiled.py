@@ -670,7 +670,8 @@ class CompiledExecutor:
             if self.compiled.num_eager_steps >= COMPILE_AFTER_STEPS:  # a run long enough to pay for it
                 job = self.child() if self.child is not None and self.compiled.thread is None else None
                 self.compiled.start(step.input_ids.device, self.thread_counts, child=job)
-            return self._eager(step)
+            with prewarm.holding():  # a compile in a child process waits while the steps run (its first minute)
+                return self._eager(step)
         if self.compiled.adapters_changed():  # a graph for the adapters the model holds now, compiled as at start
             logger.info("hf_paged_attn: the model's LoRA adapters changed: its forward compiles again for them")
             self.compiled = compiled_model(self.eager.model, self.layers.windows)

@@ -147,3 +147,55 @@ def test_a_process_that_exits_while_its_child_compiles_stops_the_child_at_once(f
     assert "waiting" not in done.stderr
     with pytest.raises(ProcessLookupError):
         os.kill(pids[0], 0)  # killed and reaped, not left running
+
+
+def _state(pid: int) -> str:
+    """The process's state letter in /proc (``T``: stopped)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0]
+
+
+def _wait_for(predicate, seconds: float = 10.0) -> bool:  # noqa: ANN001
+    deadline = time.monotonic() + seconds
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return predicate()
+
+
+@pytest.mark.skipif(not prewarm._GROUPS, reason="the hold needs Popen(process_group=...), Python 3.11+")
+def test_the_child_is_held_while_steps_run_in_its_first_minute(fresh_caches, monkeypatch) -> None:
+    """``holding``: the child (and what it started: a grandchild here) is stopped while a step runs and until the
+    steps pause for ``RESUME_AFTER_S``; past its first ``IDLE_ONLY_S`` seconds it is not held any more."""
+    pid_file = fresh_caches / "grandchild.pid"
+    monkeypatch.setattr(prewarm, "_BOOTSTRAP", (
+        "import subprocess, sys, time\n"
+        "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(g.pid))\n"
+        "time.sleep(120)\n"
+    ))  # fmt: skip
+    monkeypatch.setattr(prewarm, "_STOPPED", threading.Event())
+    job = prewarm.Job("m", "M", "{}", "float32", False, 1, False, False)
+    runner = threading.Thread(target=job.run)
+    runner.start()
+    try:
+        assert _wait_for(lambda: prewarm._CHILDREN and pid_file.exists() and pid_file.read_text())
+        (child,) = prewarm._CHILDREN
+        grandchild = int(pid_file.read_text())
+        with prewarm.holding():
+            assert _state(child.pid) == "T" and _state(grandchild) == "T"
+        time.sleep(prewarm.RESUME_AFTER_S / 5)  # the next step of a run comes sooner than that: still held
+        assert _state(child.pid) == "T"
+        assert _wait_for(lambda: _state(child.pid) != "T" and _state(grandchild) != "T")
+        monkeypatch.setattr(prewarm, "IDLE_ONLY_S", 0.0)  # its first minute is over: steps no longer hold it
+        with prewarm.holding():
+            assert _state(child.pid) != "T"
+    finally:
+        prewarm.stop_all()
+        runner.join(timeout=30)
+    assert not runner.is_alive() and not prewarm._CHILDREN and not prewarm._HELD
+
+
+def test_holding_without_a_child_does_nothing() -> None:
+    assert not prewarm._CHILDREN
+    with prewarm.holding():
+        assert not prewarm._HELD and not prewarm._WATCH
