@@ -254,6 +254,9 @@ class CompiledModel:
     num_eager_steps: int = 0  # steps run eagerly before the graph was ready, by every engine on the model
     lock: threading.Lock = field(default_factory=threading.Lock)
     pack: bool = False  # the graph runs the bf16 linears on oneDNN-packed weights (``packed_linear``)
+    # Packed float32 copies are made (at the compile's start): the eager steps until the graph is ready multiply
+    # by them too (``CompiledExecutor.execute``, ``packed_linear.EAGER_DTYPES``).
+    packed: threading.Event = field(default_factory=threading.Event)
     model: weakref.ReferenceType[torch.nn.Module] | None = None
     marks: ModelMarks = field(default_factory=ModelMarks)  # what the graph needs on the model (``marks.py``)
     # The LoRA layers' router, the adapter structure the graph holds and the slots its ``adapter_index`` numbers
@@ -310,12 +313,16 @@ class CompiledModel:
         )
         start = time.perf_counter()
         try:
+            # Before the trace, so the first graph runs on the copies; before the child, so the eager steps meanwhile
+            # run on the float32 ones too (oneDNN's packed sgemm, where F.linear runs MKL's)
+            if self.pack and (model := self.model and self.model()) is not None:
+                packed_linear.pack(model)
+                if packed_linear.holds_copies(model, packed_linear.EAGER_DTYPES):
+                    self.packed.set()
             if child is not None:
                 child.run()  # fills inductor's disk cache: the compile below then loads its graphs from there
                 if _EXITING:
                     raise RuntimeError("the interpreter is exiting")
-            if self.pack and (model := self.model and self.model()) is not None:
-                packed_linear.pack(model)  # before the trace, so the first graph runs on the copies
             with torch.inference_mode():  # as the engine's steps are: dynamo guards on inference tensors
                 ids = torch.zeros(1, WARMUP_ROWS, dtype=torch.long, device=device)
                 indices = torch.arange(2, device=device)
@@ -670,7 +677,11 @@ class CompiledExecutor:
             if self.compiled.num_eager_steps >= COMPILE_AFTER_STEPS:  # a run long enough to pay for it
                 job = self.child() if self.child is not None and self.compiled.thread is None else None
                 self.compiled.start(step.input_ids.device, self.thread_counts, child=job)
-            with prewarm.holding():  # a compile in a child process waits while the steps run (its first minute)
+            # a compile in a child process waits while the steps run (its first minute); the linears multiply by the
+            # packed copies the compile made (``RoutePackedLinears``: any other weight goes to F.linear as before)
+            route = (packed_linear.RoutePackedLinears(packed_linear.EAGER_DTYPES) if self.compiled.packed.is_set()
+                     else contextlib.nullcontext())  # fmt: skip
+            with prewarm.holding(), route:
                 return self._eager(step)
         if self.compiled.adapters_changed():  # a graph for the adapters the model holds now, compiled as at start
             logger.info("hf_paged_attn: the model's LoRA adapters changed: its forward compiles again for them")

@@ -16,10 +16,12 @@ does what vLLM does, without touching the model:
 - ``hf_paged_attn::packed_linear(x, weight, bias)`` is an opaque op (inductor calls it as it calls
   ``aten::mm``) that multiplies by the packed copy, or runs ``F.linear`` whenever the weight is not the
   one packed (another tensor, an in-place update since, another dtype): never a stale result;
-- ``RoutePackedLinears`` is a torch function mode, entered only inside the compiled forward, that sends
-  every ``F.linear`` on a CPU weight of a packed dtype there. Dynamo traces the mode away, so the graph
-  calls the op directly; eager forwards (the model's own, the engine's before its graph is ready) never
-  enter it and run as before. ``linear_groups`` then makes the calls that share an input one matmul.
+- ``RoutePackedLinears`` is a torch function mode that sends every ``F.linear`` on a CPU weight of a packed
+  dtype there, entered inside the compiled forward (dynamo traces the mode away, so the graph calls the op
+  directly) and, for float32 weights only (``EAGER_DTYPES``), around an engine's eager steps while its compile
+  runs, once the compile has made the copies (``compiled.CompiledModel.packed``). Other eager forwards (the
+  model's own, ``compile=False`` engines) never enter it and run as before. ``linear_groups`` then makes the
+  graph's calls that share an input one matmul.
 
 The copies take as much memory as the packed linear weights (as inductor's frozen weights do); they are
 made only while they fit in a quarter of the memory available (``_fits``); ``PagedConfig(compile=False)``
@@ -141,9 +143,21 @@ torch.library.register_fake("hf_paged_attn::packed_linear", _packed_linear_fake,
 packed_linear = torch.ops.hf_paged_attn.packed_linear.default
 
 
+# The weights whose linears an engine's eager steps route to the packed copies while its compile runs. Eager
+# passes alternating with and without the route in one process (engines with compile=False on copies made by hand,
+# 2 threads, an AMD EPYC): float32 1.09x (bundled model) and 1.10x (30M Llama: MKL's sgemm, what F.linear runs,
+# is the slow one there); bfloat16 0.84x and 0.88x (F.linear's own oneDNN path is faster in eager), so only float32.
+EAGER_DTYPES = (torch.float32,)
+
+
 class RoutePackedLinears(TorchFunctionMode):
-    """Sends ``F.linear`` on a CPU weight of a packed dtype (``DTYPES``) to ``packed_linear`` (for a compiled
-    forward only: in eager mode every torch call would pay this Python hop)."""
+    """Sends ``F.linear`` on a CPU weight of a packed dtype (``DTYPES``, and of ``dtypes`` when given) to
+    ``packed_linear``: in a compiled forward, and in the eager steps while a compile runs (``EAGER_DTYPES``;
+    there every torch call pays this Python hop, ~1 us)."""
+
+    def __init__(self, dtypes: tuple[torch.dtype, ...] | None = None) -> None:
+        super().__init__()
+        self.dtypes = dtypes
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
@@ -151,7 +165,10 @@ class RoutePackedLinears(TorchFunctionMode):
             x = args[0] if args else kwargs["input"]
             weight = args[1] if len(args) > 1 else kwargs["weight"]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if weight.dtype in DTYPES and weight.device.type == "cpu" and x.dtype == weight.dtype and weight.dim() == 2:
+            if (
+                weight.dtype in DTYPES and (self.dtypes is None or weight.dtype in self.dtypes)
+                and weight.device.type == "cpu" and x.dtype == weight.dtype and weight.dim() == 2
+            ):  # fmt: skip
                 return packed_linear(x, weight, bias)
         return func(*args, **kwargs)
 
@@ -218,6 +235,11 @@ def pack(model: nn.Module) -> int:
             weakref.finalize(w, _drop, id(w), entry)
             made += 1
     return made
+
+
+def holds_copies(model: nn.Module, dtypes: tuple[torch.dtype, ...]) -> bool:
+    """Whether ``pack`` made copies of ``model``'s weights of ``dtypes`` that still hold."""
+    return any(w.dtype in dtypes and _holds(_PACKED.get(id(w)), w) for w in _weights(model))
 
 
 def unpack(model: nn.Module) -> int:

@@ -237,3 +237,42 @@ def test_compiled_bf16_engine_runs_packed_linears_and_equals_sdpa(llama_dir, cou
     ptrs = {id(w) for w in packed_linear._weights(paged)}
     assert not ptrs.intersection(packed_linear._PACKED)
     assert not any(ptrs.intersection(key) for key in linear_groups._GROUPS)
+
+
+def test_eager_steps_before_the_graph_run_on_the_compiles_copies(llama_dir, counted, monkeypatch) -> None:
+    """Until the graph is ready an engine steps eagerly; once the compile has made packed float32 copies
+    (``CompiledModel.packed``) those steps multiply by them too (``EAGER_DTYPES``), and their tokens stay sdpa's."""
+    from hf_paged_attn.runtime.cpu import compiled as compiled_module
+
+    monkeypatch.setattr(packed_linear, "DTYPES", (torch.float32,))  # as on the AMD CPUs it packs float32 on
+    monkeypatch.setattr(compiled_module, "COMPILE_AFTER_STEPS", 10**9)  # no compile: the steps stay eager
+    ref, paged = load_pair(llama_dir)
+    prompts = ragged_prompts(4, 3, 30, seed=9)
+    expected = [reference_greedy(ref, p, 8) for p in prompts]
+    with ContinuousBatchingEngine(paged, PagedConfig(num_blocks=64, compile=True, adaptive_threads=False)) as engine:
+        inner = engine.executor
+        assert isinstance(inner, CompiledExecutor) and inner.compiled.pack
+        engine.generate(prompts[:1], max_new_tokens=2)  # no copies yet: F.linear, not the op
+        assert counted == []
+        assert packed_linear.pack(paged) > 0  # what the compile's start does, then
+        assert packed_linear.holds_copies(paged, packed_linear.EAGER_DTYPES)
+        inner.compiled.packed.set()
+        got = [o.output_ids for o in engine.generate(prompts, max_new_tokens=8)]
+        assert not inner.graph_ready and inner.num_compiled_steps == 0
+    # every linear of every eager step: q/k/v/o, gate/up/down of each layer and the LM head, all on their copies
+    per_step = 7 * paged.config.num_hidden_layers + 1
+    assert len(counted) >= per_step * 8 and all(counted)
+    assert not compare_greedy(ref, prompts, expected, got)
+    packed_linear.unpack(paged)
+
+
+@needs_onednn_bf16
+def test_an_eager_route_of_float32_leaves_bf16_linears_to_f_linear(counted, monkeypatch) -> None:
+    monkeypatch.setattr(packed_linear, "DTYPES", (torch.float32, BF16))
+    half, full = linear(32, 64), nn.Linear(64, 16)
+    assert packed_linear.pack(nn.Sequential(half, full)) == 2
+    x = torch.randn(3, 64)
+    with torch.inference_mode(), packed_linear.RoutePackedLinears(packed_linear.EAGER_DTYPES):
+        half(x.to(BF16))  # bf16: F.linear itself, not the op
+        full(x)
+    assert counted == [True]  # one call of the op: the float32 layer's, on its copy
