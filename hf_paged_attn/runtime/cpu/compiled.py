@@ -677,11 +677,11 @@ class CompiledExecutor:
             if self.compiled.num_eager_steps >= COMPILE_AFTER_STEPS:  # a run long enough to pay for it
                 job = self.child() if self.child is not None and self.compiled.thread is None else None
                 self.compiled.start(step.input_ids.device, self.thread_counts, child=job)
-            # a compile in a child process waits while the steps run (its first minute); the linears multiply by the
-            # packed copies the compile made (``RoutePackedLinears``: any other weight goes to F.linear as before)
+            # the float32 linears multiply by the packed copies the compile made (``RoutePackedLinears``: any other
+            # weight goes to F.linear as before)
             route = (packed_linear.RoutePackedLinears(packed_linear.EAGER_DTYPES) if self.compiled.packed.is_set()
                      else contextlib.nullcontext())  # fmt: skip
-            with prewarm.holding(), route:
+            with route:
                 return self._eager(step)
         if self.compiled.adapters_changed():  # a graph for the adapters the model holds now, compiled as at start
             logger.info("hf_paged_attn: the model's LoRA adapters changed: its forward compiles again for them")

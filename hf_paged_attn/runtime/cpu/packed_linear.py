@@ -144,9 +144,9 @@ packed_linear = torch.ops.hf_paged_attn.packed_linear.default
 
 
 # The weights whose linears an engine's eager steps route to the packed copies while its compile runs. Eager
-# passes alternating with and without the route in one process (engines with compile=False on copies made by hand,
-# 2 threads, an AMD EPYC): float32 1.09x (bundled model) and 1.10x (30M Llama: MKL's sgemm, what F.linear runs,
-# is the slow one there); bfloat16 0.84x and 0.88x (F.linear's own oneDNN path is faster in eager), so only float32.
+# passes alternating with and without the route in one process (``benchmarks/eager_route_ab.py``, 2 threads, an AMD
+# EPYC): float32 1.10-1.11x on the 30M Llama (MKL's sgemm, what F.linear runs, is the slow one there), level within
+# noise on the bundled model; bfloat16 0.84x and 0.88x (F.linear's own oneDNN path is faster in eager): float32 only.
 EAGER_DTYPES = (torch.float32,)
 
 

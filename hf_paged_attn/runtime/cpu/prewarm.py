@@ -15,25 +15,16 @@ the model has no LoRA layers (their graph follows the adapters, which a config d
 accelerate, no quantization, and inductor's disk cache is on (and ``HF_PAGED_ATTN_COMPILE_CHILD`` is not 0).
 Otherwise, or when the child fails or runs past ``TIMEOUT_S``, the compile runs in this process as before.
 
-While the engine's eager steps run during the child's first minute, the child and the compilers it started (its
-own process group) are stopped, and continued once no step has run for ``RESUME_AFTER_S`` (``holding``): an eager
-step leaves a core idle while its Python runs on the other, and a child running there, even at ``SCHED_IDLE``,
-slowed the steps to about 0.6 of eager's speed (they share the caches and memory: docs/performance.md). So the
-first requests run at eager's speed, and the child compiles while the engine waits for work; an engine busy for
-a whole minute then shares the CPU with it at ``nice`` 19.
-
 The child: ``python -c _BOOTSTRAP JOB.json``, which runs ``prewarm_child.py`` on the ``Job``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -60,11 +51,6 @@ IDLE_ONLY_S = 60.0
 NICE = 19  # the child's priority: the lowest
 _LOWEST_PRIORITY = f"""
 import os
-try:  # killed with the engine's process, even while held (stopped): its polling thread would not see it go
-    import ctypes
-    ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
-except (AttributeError, OSError):
-    pass
 os.nice({NICE})
 try:
     os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
@@ -81,17 +67,9 @@ _BOOTSTRAP = _LOWEST_PRIORITY + (
 ENABLED = os.environ.get("HF_PAGED_ATTN_COMPILE_CHILD", "1") != "0"
 TIMEOUT_S = 900.0  # the child's longest run (under full load: idle CPU, then a small share)
 MEMORY_SHARE = 0.25  # the model's weights at most this share of the memory available, for the child's copy
-_CHILDREN: dict[subprocess.Popen, float] = {}  # children running (-> when they started), killed at exit (``stop_all``)
+_CHILDREN: set[subprocess.Popen] = set()  # children running, stopped at exit (``stop_all``)
 _LOCK = threading.Lock()
 _STOPPED = threading.Event()  # ``stop_all`` ran: no child is wanted any more
-# The hold (``holding``): a child is stopped while steps run during its first ``IDLE_ONLY_S`` seconds, and continued
-# once no step has run for ``RESUME_AFTER_S`` (between two steps of a run the engine's Python takes ~1 ms). It needs
-# the child in a process group of its own (``Popen(process_group=0)``, Python 3.11): its compilers are stopped with it.
-RESUME_AFTER_S = 0.05
-_GROUPS = sys.version_info >= (3, 11)
-_BUSY = [0, 0.0]  # steps running now (engines may step in several threads), when the last one ended
-_HELD: set[int] = set()  # the process groups stopped now
-_WATCH: list[threading.Thread] = []  # the thread that continues them (one at most)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,24 +103,22 @@ class Job:
             start = time.perf_counter()
             with open(log_path, "wb") as log:
                 command = [sys.executable, "-c", _BOOTSTRAP, str(job_path)]
-                group = {"process_group": 0} if _GROUPS else {}
                 child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         env=env, **group)  # fmt: skip
+                                         env=env)  # fmt: skip
                 with _LOCK:
-                    _CHILDREN[child] = time.monotonic()
+                    _CHILDREN.add(child)
                 try:
                     code = child.wait(timeout)
                     if _STOPPED.is_set():
                         logger.debug("hf_paged_attn: the compile in a child process was stopped at exit")
                         return False
                 except subprocess.TimeoutExpired:
-                    _kill(child)
+                    child.kill()
                     code = child.wait()
                     logger.warning("hf_paged_attn: the compile in a child process ran past %.0f s: stopped", timeout)
                 finally:
                     with _LOCK:
-                        _CHILDREN.pop(child, None)
-                        _continue(child.pid)
+                        _CHILDREN.discard(child)
             if code == 0:
                 logger.info("hf_paged_attn: compiled in a child process in %.1f s", time.perf_counter() - start)
                 return True
@@ -197,65 +173,5 @@ def stop_all() -> int:
     with _LOCK:
         children = list(_CHILDREN)
     for child in children:
-        _kill(child)
+        child.kill()
     return len(children)
-
-
-def _kill(child: subprocess.Popen) -> None:
-    """Kill ``child`` with the compilers it started (its process group), held or not."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        if _GROUPS:
-            os.killpg(child.pid, signal.SIGKILL)
-            return
-    child.kill()
-
-
-@contextlib.contextmanager
-def holding():  # noqa: ANN201  (a context manager of None)
-    """Around an engine's eager step: every child in its first ``IDLE_ONLY_S`` seconds is stopped (with its
-    process group) while the step runs and until no step has run for ``RESUME_AFTER_S``. Nothing without a
-    child."""
-    if not _CHILDREN or not _GROUPS:
-        yield
-        return
-    with _LOCK:
-        _BUSY[0] += 1
-        now = time.monotonic()
-        for child, started in _CHILDREN.items():
-            if child.pid not in _HELD and now - started < IDLE_ONLY_S and child.poll() is None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(child.pid, signal.SIGSTOP)
-                    _HELD.add(child.pid)
-        if _HELD and not _WATCH:
-            _WATCH.append(threading.Thread(target=_watch, name="hf_paged_attn-prewarm-hold", daemon=True))
-            _WATCH[0].start()
-    try:
-        yield
-    finally:
-        with _LOCK:
-            _BUSY[0] -= 1
-            _BUSY[1] = time.monotonic()
-
-
-def _watch() -> None:
-    """Continue the held children once the steps pause for ``RESUME_AFTER_S`` (or a child's first ``IDLE_ONLY_S``
-    seconds are over); ends when none is held."""
-    while True:
-        time.sleep(RESUME_AFTER_S / 2)
-        with _LOCK:
-            now = time.monotonic()
-            idle = _BUSY[0] == 0 and now - _BUSY[1] >= RESUME_AFTER_S
-            for child, started in _CHILDREN.items():
-                if child.pid in _HELD and (idle or now - started >= IDLE_ONLY_S):
-                    _continue(child.pid)
-            if not _HELD:
-                _WATCH.clear()
-                return
-
-
-def _continue(group: int) -> None:
-    """(under ``_LOCK``) Continue a held process group."""
-    if group in _HELD:
-        _HELD.discard(group)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(group, signal.SIGCONT)
