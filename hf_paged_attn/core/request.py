@@ -123,6 +123,10 @@ class Request:
     # image are placeholders, so the prefix-cache key of every block an image touches carries its digest
     multimodal: ImageInputs | None = None
     mm_spans: tuple[tuple[int, int, bytes], ...] = ()
+    # Only the final output is wanted (a batch call collecting finished requests, as vLLM's ``FINAL_ONLY``):
+    # a step that records tokens without finishing the request emits nothing for it; ``new_ids`` then hold
+    # every token at its finish
+    final_only: bool = False
 
     def block_extra(self, start: int, stop: int) -> bytes:
         """What the prefix-cache key of the block of positions ``start .. stop - 1`` holds besides its token

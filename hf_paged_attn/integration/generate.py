@@ -143,8 +143,10 @@ def paged_generate(
     def run() -> list[RequestOutput]:
         engine = ContinuousBatchingEngine(model, paged_config, config, num_blocks=paged_config.num_blocks or exact_fit)
         engines.append(engine)
-        ids = engine.add_all([dict(input_ids=p, padding=pad, adapter_name=adapter, multimodal=mm, **common)
-                              for p, pad, adapter, mm in zip(prompts, paddings, adapters, multimodal)])  # fmt: skip
+        requests = [dict(input_ids=p, padding=pad, adapter_name=adapter, multimodal=mm, **common)
+                    for p, pad, adapter, mm in zip(prompts, paddings, adapters, multimodal)]  # fmt: skip
+        # a streamer takes every step's new tokens; without one, only the finished outputs are wanted
+        ids = engine.add_all(requests, final_only=streamer is None)
         if lockstep is not None:
             live = engine.intake.live
             lockstep.bind([[live[rid], *live[rid].children] for rid in ids])

@@ -113,7 +113,7 @@ class Updater:
         if drawn.num_drafted:
             self.kv.commit(request, len(samples))
             self.kv.trim(request)
-        return [request.take_output()]
+        return [] if request.final_only else [request.take_output()]
 
     def _fork(self, parent: Request, child: Request) -> None:
         """num_return_sequences: a sibling shares its parent's blocks (copy on write) from its first token."""

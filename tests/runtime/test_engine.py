@@ -302,3 +302,30 @@ def test_stopping_criteria_see_their_own_row(llama_pair):
         assert all(shape == (1, vocab) for _, _, shape in criterion.calls)
         assert [last for last, _, _ in criterion.calls] == finals[request_id].output_ids
         assert all(last == best for last, best, _ in criterion.calls), criterion.calls
+
+
+def test_generate_emits_only_final_outputs(llama_pair):
+    """``engine.generate`` collects finished requests only: its requests make no output object while they run
+    (``Request.final_only``), their final outputs hold every token (``new_ids`` too), the same as streamed
+    requests' tokens; a request streamed beside them still gets one output a step."""
+    _, paged = llama_pair
+    engine = ContinuousBatchingEngine(paged, PagedConfig(block_size=4, num_blocks=128))
+    prompts = ragged_prompts(5, 3, 9, seed=7)
+    streamed_ids = [engine.add_request(p, max_new_tokens=6) for p in prompts]
+    streamed = {o.request_id: o for o in engine.stream() if o.finished}
+    seen = []
+    step = engine.step
+
+    def recording():
+        outputs = step()
+        seen.extend(outputs)
+        return outputs
+
+    engine.step = recording
+    beside = engine.add_request(prompts[0], max_new_tokens=4, ignore_eos=True)
+    outs = engine.generate(prompts, max_new_tokens=6)
+    generated = {o.request_id for o in outs}
+    assert seen and all(o.finished for o in seen if o.request_id in generated)
+    assert len([o for o in seen if o.request_id == beside]) == 4  # one output a step for the streamed one
+    assert [o.output_ids for o in outs] == [streamed[rid].output_ids for rid in streamed_ids]
+    assert all(o.new_ids == o.output_ids and o.output_ids for o in outs)
