@@ -170,8 +170,15 @@ class KVBlockManager:
         """Blocks for ``num_new`` more tokens in every group; a shared block about to be written is
         copied first."""
         first = request.num_computed_tokens
-        tables = self.tables(request)
         cow_index = first // self.block_size
+        if len(self.groups) < 2:  # most calls: one table whose last block has room and is this request's alone
+            table = request.block_ids
+            last = table[cow_index] if cow_index < len(table) else RELEASED
+            if blocks_for(first + num_new, self.block_size) <= len(table) and (
+                last == RELEASED or self.allocator.ref_count(last) < 2
+            ):
+                return True
+        tables = self.tables(request)
         needs = []
         for table in tables:
             needed = max(blocks_for(first + num_new, self.block_size) - len(table), 0)

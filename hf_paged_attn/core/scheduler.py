@@ -86,13 +86,17 @@ class Scheduler:
         budget = self.max_batch_tokens
         scheduled: set[int] = set()
         # Decodes first (they are cheap and keep latency low), then continuing prefill chunks.
-        for request in sorted(self.running, key=lambda r: r.num_pending_tokens > 1):
+        decodes, chunks = [], []
+        for request in self.running:
+            pending = request.num_pending_tokens  # (changes within this loop only for a request preempted in it)
+            (decodes if pending <= 1 else chunks).append((request, pending))
+        for request, pending in decodes + chunks:
             if budget == 0:
                 break
-            if request.status is not Status.RUNNING or not request.num_pending_tokens:
+            if request.status is not Status.RUNNING or not pending:
                 continue  # preempted earlier in this loop, or a beam waiting for its group's other beams
-            num_new = min(request.num_pending_tokens, budget)
-            ahead = self._lookahead(request, budget)
+            num_new = min(pending, budget)
+            ahead = self._lookahead(request, budget) if request.lookahead > 0 else 0
             if ahead:
                 num_new += ahead
                 out.num_lookahead_tokens += ahead
