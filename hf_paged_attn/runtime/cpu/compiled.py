@@ -102,9 +102,12 @@ def inductor_options(dtype: torch.dtype = torch.float32) -> dict[str, object]:
     """The compiled forward's inductor options for a model of ``dtype``: no ``freezing``, the sampled rows only
     after the last attention and the packed projections grouped, the kernels called from C++ in half precision
     (see above), and kernels that take the thread count at run time (``cpp.dynamic_threads``: one graph serves
-    every count, see ``STEP_THREADS``)."""
+    every count, see ``STEP_THREADS``), and no size asserts: the Python wrapper of a float32 graph checked the
+    sizes and strides of every input and custom op's output at every call (67 calls a step of the demo model,
+    ~0.7 us each), what dynamo's guards and the ops' fake implementations already pin down; vLLM's CPU platform
+    turns them off too."""
     return {"freezing": False, "post_grad_custom_pre_pass": sampled_rows.SAMPLED_ROWS, "cpp.dynamic_threads": True,
-            "cpp_wrapper": dtype in HALF_PRECISION}  # fmt: skip
+            "cpp_wrapper": dtype in HALF_PRECISION, "size_asserts": False}  # fmt: skip
 
 
 INDUCTOR_OPTIONS: dict[str, object] = inductor_options()

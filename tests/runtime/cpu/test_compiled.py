@@ -342,11 +342,68 @@ def test_exiting_while_the_compile_runs_exits_cleanly(llama_dir) -> None:
 def test_weights_stay_graph_inputs() -> None:
     """Unfrozen (``packed_linear`` packs them), so that inductor's disk cache can serve later processes; the
     graph pass computes only the sampled rows after the last attention, then groups the projections that share
-    an input; the kernels read the thread count at run time; a half-precision graph calls them from C++."""
+    an input; the kernels read the thread count at run time; a half-precision graph calls them from C++; the
+    generated Python checks no sizes at each call."""
+    from torch._inductor.utils import run_and_get_code
+
     from hf_paged_attn.runtime.cpu import compiled, sampled_rows
 
     assert compiled.inductor_options() == {"freezing": False, "post_grad_custom_pre_pass": sampled_rows.SAMPLED_ROWS,
-                                           "cpp.dynamic_threads": True, "cpp_wrapper": False}  # fmt: skip
+                                           "cpp.dynamic_threads": True, "cpp_wrapper": False,
+                                           "size_asserts": False}  # fmt: skip
     assert compiled.inductor_options(torch.float32)["cpp_wrapper"] is False
     assert compiled.inductor_options(torch.bfloat16)["cpp_wrapper"] is True
     assert compiled.inductor_options(torch.float16)["cpp_wrapper"] is True
+
+    def ours(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, w).relu()
+
+    def inductors(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # another code object: compiled on its own
+        return torch.nn.functional.linear(x, w).relu()
+
+    x, w = torch.randn(4, 8), torch.randn(6, 8)
+    for f, options, asserts in ((ours, compiled.inductor_options(), False), (inductors, {}, True)):
+        with torch._inductor.config.patch(options):
+            out, (code, *_) = run_and_get_code(torch.compile(f), x, w)
+        torch.testing.assert_close(out, f(x, w))
+        assert ("assert_size_stride(" in code) is asserts
+
+
+def test_compile_settings_only_where_a_call_may_compile(monkeypatch) -> None:
+    """``run_graph`` patches the compile settings (inductor's options) around calls that may compile: before the
+    graph is ready, and the retry of a step whose guards the ready graphs reject; not around a step that runs
+    a graph that exists (the patch costs ~55 us a step)."""
+    import contextlib
+    import threading
+    from types import SimpleNamespace
+
+    active: list[bool] = [False]
+    seen: list[bool] = []
+
+    @contextlib.contextmanager
+    def settings(options):  # noqa: ANN001, ANN202
+        active[0] = True
+        try:
+            yield
+        finally:
+            active[0] = False
+
+    monkeypatch.setattr(compiled_module.torch_private, "compile_settings", settings)
+    rejects = [0]
+
+    def forward(*args):  # noqa: ANN002, ANN202
+        seen.append(active[0])
+        if rejects[0]:
+            rejects[0] -= 1
+            raise RuntimeError("no graph matched (skip_guard_eval_unsafe)")
+        return torch.zeros(2, 3)
+
+    compiled = SimpleNamespace(ready=threading.Event(), options={}, threads=None, forward=forward)
+    args = (compiled, None, torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long),
+            torch.zeros(2, dtype=torch.long))  # fmt: skip
+    compiled_module.run_graph(*args)  # not ready: the call may compile
+    compiled.ready.set()
+    compiled_module.run_graph(*args)  # ready: a graph that exists
+    rejects[0] = 1
+    compiled_module.run_graph(*args)  # ready, guards reject: the retry compiles under the settings
+    assert seen == [True, False, False, True]
