@@ -596,8 +596,11 @@ def run_graph(
     if compiled.threads and want != compiled.threads:  # enter at the compiled count; the graph runs at ``want``
         torch.set_num_threads(compiled.threads)
         threads_token = STEP_THREADS.set(want)
+    # The compile settings matter only where a call may compile: patching them costs ~55 us a step (torch's
+    # ``config.patch`` builds a class and sets each option), so a step on a graph that exists runs without.
+    settings = contextlib.nullcontext() if skip else torch_private.compile_settings(compiled.options)
     try:
-        with torch_private.compile_settings(compiled.options):
+        with settings:
             try:
                 with stance:
                     return compiled.forward(tokens, position_ids, logits_indices, *lora_args)
@@ -605,7 +608,8 @@ def run_graph(
                 if not skip or "skip_guard_eval_unsafe" not in str(exc):
                     raise
                 logger.info("hf_paged_attn: a step needs another graph (%s)", exc)
-                return compiled.forward(tokens, position_ids, logits_indices, *lora_args)
+        with torch_private.compile_settings(compiled.options):
+            return compiled.forward(tokens, position_ids, logits_indices, *lora_args)
     finally:
         COMPILED_STEP.reset(token)
         if threads_token is not None:
