@@ -135,13 +135,13 @@ def build_step(
     # The index arithmetic in numpy: each torch op on a step's few ints costs 5-20 us of dispatch, numpy's ~1
     num = len(scheduled)
     start_of = np.array(starts, dtype=np.int64)  # [B]
+    q_of = np.array(q_lens, dtype=np.int64)  # [B]
     is_decode = max(q_lens) == 1
     if is_decode:  # one token per request, most steps: nothing to expand per token
         rows_q = np.arange(num)  # [N] = [B]
         cu_q = np.arange(num + 1, dtype=np.int32)
         positions = start_of
     else:
-        q_of = np.array(q_lens, dtype=np.int64)
         rows_q = np.repeat(np.arange(num), q_of)  # [N]: each new token's request
         cu_q = np.zeros(num + 1, dtype=np.int32)
         np.cumsum(q_of, out=cu_q[1:])
@@ -169,7 +169,7 @@ def build_step(
         cu_seq_lens_q=torch.from_numpy(cu_q).to(device),
         max_length_q=max(q_lens),
         cache_seqlens=torch.from_numpy(start_of.astype(np.int32)).to(device),
-        seqused_k=torch.from_numpy((start_of + np.array(q_lens, dtype=np.int64)).astype(np.int32)).to(device),
+        seqused_k=torch.from_numpy((start_of + q_of).astype(np.int32)).to(device),
         logits_indices=logits_indices.to(device),
         is_decode=is_decode,
         groups=groups,
