@@ -97,6 +97,12 @@ class PagedConfig:
             saves). ``None`` (the default): on for a model on the CPU, off elsewhere; ``True`` on another
             device raises ValueError; ``False``: every step uses torch's thread count. Nothing changes
             with one thread (``torch.get_num_threads() == 1``).
+        keep_freed_memory: the process's C allocator keeps the memory a step frees for the next step
+            (``cpu/host_memory.py``: glibc's mmap threshold at 32 MiB, its trim threshold at 256 MiB), where it
+            handed it back to the kernel and every step faulted it in again. The thresholds are the
+            process's and stay after the engine (glibc has no way back to its adaptive defaults). ``None``
+            (the default): on for a model on the CPU; ``True`` on another device raises ValueError;
+            ``False``: the allocator is left as it is. Nothing is set where malloc is not glibc's.
         speculative: speculative decoding for every request that can speculate
             (``SpeculativeConfig``: prompt lookup, or a draft model); None: only requests whose own
             generation config sets ``prompt_lookup_num_tokens`` speculate.
@@ -123,6 +129,7 @@ class PagedConfig:
     compile: bool | str | None = None
     fp32_matmuls: bool | None = None
     adaptive_threads: bool | None = None
+    keep_freed_memory: bool | None = None
     speculative: SpeculativeConfig | None = None
     logprobs_mode: str = "processed_logprobs"
 
@@ -144,6 +151,8 @@ class PagedConfig:
             raise ValueError(f"PagedConfig.fp32_matmuls must be None or a bool, got {self.fp32_matmuls!r}")
         if self.adaptive_threads is not None and not isinstance(self.adaptive_threads, bool):
             raise ValueError(f"PagedConfig.adaptive_threads must be None or a bool, got {self.adaptive_threads!r}")
+        if self.keep_freed_memory is not None and not isinstance(self.keep_freed_memory, bool):
+            raise ValueError(f"PagedConfig.keep_freed_memory must be None or a bool, got {self.keep_freed_memory!r}")
         if self.scheduling_policy not in POLICIES:
             raise ValueError(
                 f"PagedConfig.scheduling_policy must be one of {tuple(POLICIES)}, got {self.scheduling_policy!r}"
@@ -215,8 +224,8 @@ class PagedConfig:
         sinks; ``head_dim``: its pages' width, None unknown): ``kernel="auto"`` becomes the backend
         that will run, then ``block_size=None`` that backend's size, then ``cuda_graphs=None`` whether
         graphs can run, ``compile=None`` whether the forward compiles, ``fp32_matmuls=None`` whether
-        half-precision matmuls run in float32 and ``adaptive_threads=None`` whether steps choose their
-        thread count."""
+        half-precision matmuls run in float32, ``adaptive_threads=None`` whether steps choose their
+        thread count and ``keep_freed_memory=None`` whether the allocator keeps freed memory."""
         page_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype]
         kernel = resolve_kernel(self.kernel, device, self.block_size, dtype, sinks, head_dim, page_dtype)
         backend = BACKENDS[kernel]
@@ -259,8 +268,14 @@ class PagedConfig:
                 "Leave adaptive_threads=None to adapt them where it applies"
             )
         adaptive = device.type == "cpu" if self.adaptive_threads is None else self.adaptive_threads
+        if self.keep_freed_memory and device.type != "cpu":
+            raise ValueError(
+                f"PagedConfig.keep_freed_memory=True is for models on the CPU; the model is on {device.type}. "
+                "Leave keep_freed_memory=None to keep it where it applies"
+            )
+        keep = device.type == "cpu" if self.keep_freed_memory is None else self.keep_freed_memory
         return self.replace(kernel=kernel, block_size=block_size, cuda_graphs=cuda_graphs, compile=compile_,
-                            fp32_matmuls=fp32, adaptive_threads=adaptive)  # fmt: skip
+                            fp32_matmuls=fp32, adaptive_threads=adaptive, keep_freed_memory=keep)  # fmt: skip
 
 
 def page_head_dim(model: torch.nn.Module) -> int | None:

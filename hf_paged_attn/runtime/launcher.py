@@ -20,7 +20,7 @@ from ..attention.model_checks import max_positions
 from ..core.layers import LayerKinds
 from ..kernels.base import AttentionBackend
 from .config import PagedConfig
-from .cpu import fp32_matmuls
+from .cpu import fp32_matmuls, host_memory
 from .executor import Executor, LocalExecutor
 from .model.marks import marks_for
 from .model.memory import fitting_blocks
@@ -74,6 +74,8 @@ class LocalLauncher:
         layers: LayerKinds,
         size: CacheSize,
     ) -> Executor:
+        if config.keep_freed_memory:
+            host_memory.keep_freed_memory()
         eager = LocalExecutor(model, cache, backend)
         counts = self._thread_counts(model, config)
         if config.compile:
