@@ -4,11 +4,10 @@ A CPU step allocates its activations (a 512-token step of the benchmark's 30M Ll
 6 MB, and many smaller ones) and frees them when it ends. glibc's malloc hands buffers of that size back to the
 kernel when they are freed: it maps those above its mmap threshold on their own, and trims the free memory at
 the top of its heap beyond its trim threshold (the first rises to the largest mapped buffer freed so far, the
-second to twice that: a few MB). The
-next step asks for the same memory again and the kernel faults in and zeroes every 4 KiB page of it: 120,000 to
-200,000 page faults a pass of ``uniform``'s 64 requests on the 30M Llama in float32, about a tenth of the pass's
-CPU time (docs/performance.md). vLLM's CPU build preloads tcmalloc, which keeps freed memory, for the same
-reason.
+second to twice that: a few MB). The next step asks for the same memory again and the kernel faults in and
+zeroes every 4 KiB page of it: 181,000 to 196,000 page faults a pass of ``uniform``'s 64 requests on the 30M
+Llama in float32, 7% of the pass's CPU time (docs/performance.md, "The allocator on the CPU"). vLLM's CPU
+build preloads tcmalloc, which keeps freed memory, for the same reason.
 
 ``keep_freed_memory`` fixes glibc's mmap threshold at its largest value (``MMAP_THRESHOLD``: smaller buffers
 come from the heap) and its trim threshold at ``TRIM_THRESHOLD`` (the heap keeps up to that much free memory
@@ -21,7 +20,7 @@ is set; with another allocator preloaded (tcmalloc, jemalloc) glibc's settings a
 from __future__ import annotations
 
 import ctypes
-import platform
+import os
 import sys
 import threading
 
@@ -44,7 +43,13 @@ def keep_freed_memory() -> bool:
 
 
 def _apply() -> bool:
-    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = os.confstr("CS_GNU_LIBC_VERSION") or ""  # "glibc 2.36"; musl has no such name
+    except (ValueError, OSError):
+        return False
+    if not libc.startswith("glibc"):
         return False
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt

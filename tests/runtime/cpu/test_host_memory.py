@@ -4,7 +4,7 @@ launcher applies it."""
 
 from __future__ import annotations
 
-import platform
+import os
 import subprocess
 import sys
 import textwrap
@@ -17,7 +17,9 @@ from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
 from hf_paged_attn.runtime.cpu import host_memory
 from hf_paged_attn_tools.testing import save_random_model, tiny_llama_config
 
-GLIBC = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
+GLIBC = "CS_GNU_LIBC_VERSION" in getattr(os, "confstr_names", {}) and (
+    os.confstr("CS_GNU_LIBC_VERSION") or ""
+).startswith("glibc")
 
 # A step's worth of buffers (4 x 6 MB, more than glibc's adaptive trim threshold can reach from them) allocated,
 # written and freed, round after round; the page faults of each round before and after keep_freed_memory().
