@@ -5,13 +5,13 @@ A CPU step allocates its activations (a 512-token step of the benchmark's 30M Ll
 kernel when they are freed: it maps those above its mmap threshold on their own, and trims the free memory at
 the top of its heap beyond its trim threshold (the first rises to the largest mapped buffer freed so far, the
 second to twice that: a few MB). The next step asks for the same memory again and the kernel faults in and
-zeroes every 4 KiB page of it: 181,000 to 196,000 page faults a pass of ``uniform``'s 64 requests on the 30M
-Llama in float32, 7% of the pass's CPU time (docs/performance.md, "The allocator on the CPU"). vLLM's CPU
+zeroes every 4 KiB page of it: 103,000 to 198,000 page faults a pass of ``uniform``'s 64 requests on the 30M
+Llama in float32, 4-7% of the pass's CPU time (docs/performance.md, "The allocator on the CPU"). vLLM's CPU
 build preloads tcmalloc, which keeps freed memory, for the same reason.
 
 ``keep_freed_memory`` fixes glibc's mmap threshold at its largest value (``MMAP_THRESHOLD``: smaller buffers
 come from the heap) and its trim threshold at ``TRIM_THRESHOLD`` (the heap keeps up to that much free memory
-instead of handing it back): a few thousand faults a pass. The thresholds are the process's: they stay when
+instead of handing it back): under 14,000 faults a pass. The thresholds are the process's: they stay when
 the engine is gone (``mallopt`` has no way back to glibc's adaptive defaults), and the process may keep up to
 ``TRIM_THRESHOLD`` of freed memory per malloc arena. Where malloc is not glibc's (musl, macOS, Windows) nothing
 is set; with another allocator preloaded (tcmalloc, jemalloc) glibc's settings are set and unused.
