@@ -11,6 +11,7 @@ import textwrap
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 import hf_paged_attn  # noqa: F401  (registers "paged")
 from hf_paged_attn import ContinuousBatchingEngine, PagedConfig
@@ -84,8 +85,6 @@ def test_a_cpu_engine_keeps_freed_memory_unless_told_not_to(tmp_path, monkeypatc
     calls = []
     monkeypatch.setattr(host_memory, "keep_freed_memory", lambda: calls.append(1) or True)
     directory = save_random_model(tiny_llama_config(), tmp_path / "model")
-    from transformers import AutoModelForCausalLM
-
     model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="paged")
     config = PagedConfig(num_blocks=16, compile=False, keep_freed_memory=keep)
     with ContinuousBatchingEngine(model, config) as engine:
