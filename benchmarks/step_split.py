@@ -78,6 +78,9 @@ def timed_host_parts(engine: object, spent: dict[str, float]) -> None:
     timed(engine.scheduler, "schedule", "schedule")
     timed(worker, "build_step", "build_step")  # the name worker.execute calls
     timed(engine.worker.sampler, "sample", "sample")
+    from hf_paged_attn.runtime.generation import sampling
+
+    timed(sampling, "row_argmax", "argmax")  # inside the sampler's time (greedy rows' tokens): shown, not added
     timed(engine.updater, "update", "update")
 
 
@@ -141,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
         inside = sum(t[1] for t in totals.values())
         print(f"run {r + 1}: wall {wall:.2f} s, CPU {cpu:.2f} s; outside the forwards wall {wall - inside:.2f} s ("
               + ", ".join(f"{name} {seconds:.3f}" for name, seconds in host.items())
-              + f", the rest {wall - inside - sum(host.values()):.3f})")  # fmt: skip
+              + f", the rest {wall - inside - sum(v for k, v in host.items() if k != 'argmax'):.3f})")  # fmt: skip
         for kind in KINDS:
             steps, w, c = totals.get(kind, (0, 0.0, 0.0))
             if steps:

@@ -215,7 +215,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> list[dict]:
     parser.add_argument("--no-start-passes", action="store_true", help="ours: only the passes after the compile")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME:K=V[,K=V]",
                         help="a system ours+NAME: ours with these environment variables "
-                        "(e.g. spin:OMP_WAIT_POLICY=ACTIVE; K= unsets K)")
+                        "(e.g. spin:OMP_WAIT_POLICY=ACTIVE; K= unsets K), or module constants set "
+                        "(HF_PAGED_ATTN_BENCH_SET=MODULE.NAME=VALUE[;...])")
     parser.add_argument("--smoke", action="store_true", help="demo rows only, 6 prompts x 8 new tokens")
     parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache" / "hf_paged_attn" / "vs_vllm")
     parser.add_argument("--timeout", type=int, default=1800)

@@ -170,8 +170,29 @@ def run_vllm(job: dict) -> dict:
     return {"ready": ready, "compiled_at": ready, "compiled": timed_passes(once, job["reps"], job.get("perf", False))}
 
 
+SETTINGS_ENV = "HF_PAGED_ATTN_BENCH_SET"
+
+
+def apply_settings(spec: str) -> None:
+    """``MODULE.NAME=VALUE[;MODULE.NAME=VALUE]``: module constants set before ours runs, each VALUE a Python
+    literal: a variant's code path forced (``--variant chunks:HF_PAGED_ATTN_BENCH_SET=hf_paged_attn.runtime.
+    generation.argmax.NUMPY_MAX=0``). A name the module lacks is an error, not a silent no-op."""
+    import ast
+    import importlib
+
+    for item in filter(None, (part.strip() for part in spec.split(";"))):
+        target, value = item.split("=", 1)
+        module_name, name = target.rsplit(".", 1)
+        module = importlib.import_module(module_name)
+        if not hasattr(module, name):
+            raise AttributeError(f"{SETTINGS_ENV}: {module_name} has no {name!r}")
+        setattr(module, name, ast.literal_eval(value))
+
+
 def main(argv: list[str]) -> None:
     system, job_file, result_file = argv
+    if system != "vllm" and os.environ.get(SETTINGS_ENV):
+        apply_settings(os.environ[SETTINGS_ENV])
     with open(job_file) as f:
         job = json.load(f)
     result = (run_vllm if system == "vllm" else run_ours)(job)

@@ -88,3 +88,18 @@ def test_both_phases_of_ours_beside_vllm(report):
 def test_same_greedy_tokens_as_the_reference(report):
     (entry,) = report
     assert entry["num_requests"] == 6 and entry["same_tokens"] == 6
+
+
+def test_a_variant_sets_module_constants(monkeypatch):
+    """``--variant NAME:HF_PAGED_ATTN_BENCH_SET=MODULE.NAME=VALUE``: the worker sets the constants (Python
+    literals) before ours runs; a name the module lacks is an error naming it, not a silent no-op."""
+    from hf_paged_attn.runtime.generation import argmax
+    from hf_paged_attn_tools.bench import vs_vllm_worker
+
+    monkeypatch.setattr(argmax, "NUMPY_MAX", argmax.NUMPY_MAX)  # put back after the test
+    monkeypatch.setattr(argmax, "CHUNK", argmax.CHUNK)
+    vs_vllm_worker.apply_settings("hf_paged_attn.runtime.generation.argmax.NUMPY_MAX=0; "
+                                  "hf_paged_attn.runtime.generation.argmax.CHUNK=64")  # fmt: skip
+    assert argmax.NUMPY_MAX == 0 and argmax.CHUNK == 64
+    with pytest.raises(AttributeError, match="NOPE"):
+        vs_vllm_worker.apply_settings("hf_paged_attn.runtime.generation.argmax.NOPE=1")
