@@ -9,10 +9,10 @@ small model, while the 30M model's float32 prefill needs both cores. With a shor
 process holds the core. No fixed rule covers every model, dtype, step size and machine load, so the
 engine measures: ``ThreadTuner`` times the steps of each size bucket with each candidate count,
 alternating, keeps the faster (median of ``TRIALS``; sooner when one is clearly faster in every step,
-``EARLY_TRIALS``, a choice that holds for ``EARLY_HOLD_STEPS`` timed steps before the others run again, as a
-choice by less than ``CLEAR_MARGIN`` does), and measures again every ``REMEASURE_STEPS`` steps of the bucket,
-since the machine's load changes. A
-rare step size borrows the count its measured neighbours agree on (``RARE_STEPS``).
+``EARLY_TRIALS``, a choice of fewer threads that holds for ``EARLY_HOLD_STEPS`` timed steps before the others
+run again, as a choice by less than ``CLEAR_MARGIN`` does), and checks it again every ``REMEASURE_STEPS`` steps
+of the bucket, since the machine's load changes: the other counts run ``EARLY_TRIALS`` steps each against the
+choice's recent steps. A rare step size borrows the count its measured neighbours agree on (``RARE_STEPS``).
 
 The measurements belong to the model, not the engine (``tuner_for``: one tuner per model and set of candidate
 counts, kept for the model's later engines, as its compiled forward is): ``model.generate`` makes an engine
@@ -55,8 +55,14 @@ CLEAR_MARGIN = 1.25
 # a moment when another process held a core, and a bundled-model process then ran every step on one thread
 # (1,742 tokens/s against 2,642-2,741). Measuring all TRIALS again instead cost the 30M model's prompt steps
 # five steps on one thread (1.4 s of a 14 s run).
+# A clear early win for the most threads holds for REMEASURE_STEPS at once: another process's load slows the steps on
+# more threads (it takes one of their cores), not those on fewer, so it was no moment's load. Its confirmation
+# cost the 30M model's float32 prompt steps two steps on one thread (0.24 s against 0.13 each) in a pass of 4.7 s.
 EARLY_HOLD_STEPS = 32
-REMEASURE_STEPS = 256  # steps of a bucket after which it measures its candidates again
+# Steps of a bucket after which it checks its choice again: the other counts run EARLY_TRIALS steps each, and
+# their medians are weighed against those of the choice's last EARLY_HOLD_STEPS steps (measuring every count
+# TRIALS times from scratch cost five steps on the slower count where two tell).
+REMEASURE_STEPS = 256
 # A bucket that has seen fewer than RARE_STEPS steps runs the count its measured neighbours agree on, if they
 # do (``ThreadTuner.inferred``): a step size that comes once a run (the 30M model's last prompt step, 183
 # tokens) would otherwise alternate for runs, at 0.28 s on one thread against 0.15 on two.
@@ -133,13 +139,13 @@ class ThreadTuner:
         state.seen += 1
         if state.choice is not None:
             state.steps_since_choice += 1
-            if state.early and threads == state.choice:  # the held choice's timings: what confirms it
+            if threads == state.choice:  # the held choice's timings: what the check weighs the others against
                 state.samples[threads].append(seconds)
             hold = EARLY_HOLD_STEPS if state.early else self.remeasure_steps
-            if state.steps_since_choice >= hold:  # the load may have changed: measure again
-                held = {state.choice: state.samples[state.choice][-EARLY_HOLD_STEPS:]} if state.early else {}
-                state.samples = {c: held.get(c, []) for c in self.candidates}
-                state.confirming, state.early = state.early, False
+            if state.steps_since_choice >= hold:  # the load may have changed: the other counts run again
+                held = state.samples[state.choice][-EARLY_HOLD_STEPS:]
+                state.samples = {c: held if c == state.choice else [] for c in self.candidates}
+                state.confirming, state.early = True, False
                 state.choice, state.steps_since_choice = None, 0
             return
         if threads in state.samples:
@@ -156,7 +162,8 @@ class ThreadTuner:
             state.early = any(medians[c] < medians[state.choice] * CLEAR_MARGIN for c in medians if c != state.choice)
         elif not state.confirming:
             state.choice = self._clear_winner(state)
-            state.early = state.choice is not None
+            # fewer threads than the most: a moment's load on the other cores may have chosen it, check it soon
+            state.early = state.choice is not None and state.choice != max(self.candidates)
 
     @staticmethod
     def _clear_winner(state: Bucket) -> int | None:

@@ -1,9 +1,9 @@
 """Adaptive intra-op threads (``hf_paged_attn/runtime/cpu/threads.py``): the tuner measures every candidate
-of a step-size bucket alternately, keeps the faster median, measures again after ``remeasure_steps``
-and starts over on ``reset``; the executor runs each step with the chosen count, restores the caller's
-after it (a failing step too), starts over when the compiled graph takes over; a model's later engines
-keep its measurements; the config switch; and greedy parity with sdpa of an engine whose steps run on one
-thread or two."""
+of a step-size bucket alternately, keeps the faster median, checks it again after ``remeasure_steps`` (the
+other counts against the choice's recent steps) and starts over on ``reset``; the executor runs each step with
+the chosen count, restores the caller's after it (a failing step too), starts over when the compiled graph
+takes over; a model's later engines keep its measurements; the config switch; and greedy parity with sdpa of an
+engine whose steps run on one thread or two."""
 
 from __future__ import annotations
 
@@ -58,48 +58,73 @@ def test_the_tuner_alternates_then_keeps_the_faster_median() -> None:
     assert tuner.choose(65) == 1 and tuner.choices() == {6: 1}  # another bucket measures on its own
     tuner.record(65, 1, 5.0)
     assert tuner.choose(65) == 2
-    for _ in range(4):  # after remeasure_steps steps on its choice, the bucket measures again
+    for _ in range(4):  # after remeasure_steps steps on its choice, the bucket checks it again
         tuner.record(64, tuner.choose(64), 1.0)
     assert 6 not in tuner.choices()
-    for threads, seconds in ((1, 3.0), (2, 1.0)) * 3:  # the load changed: now 2 threads win
-        tuner.record(64, threads, seconds)
+    assert tuner.buckets[6].samples == {1: [1.0, 9.0, 1.0, 1.0, 1.0, 1.0, 1.0], 2: []}  # the choice's own steps
+    for _ in range(EARLY_TRIALS):  # the other count runs EARLY_TRIALS steps; the load changed: it wins now
+        assert tuner.choose(64) == 2
+        tuner.record(64, 2, 0.5)
     assert tuner.choices()[6] == 2
     tuner.reset()
     assert tuner.choices() == {} and tuner.buckets == {}
 
 
 def test_a_clear_winner_decides_after_two_steps_each() -> None:
-    """One thread 1.8x slower in every step: the bucket decides after EARLY_TRIALS steps of each, not TRIALS;
-    that choice holds for EARLY_HOLD_STEPS timed steps, then the other count runs EARLY_TRIALS steps and the
-    medians confirm or overturn it."""
+    """One thread 1.8x faster in every step (two threads on a loaded machine): the bucket decides after
+    EARLY_TRIALS steps of each, not TRIALS; a choice of fewer threads than the most holds for EARLY_HOLD_STEPS
+    timed steps (a moment's load on the other core may have made it), then the other count runs EARLY_TRIALS
+    steps and the medians confirm or overturn it."""
     tuner = ThreadTuner((1, 2), trials=5)
-    for threads, seconds in ((1, 0.36), (2, 0.20), (1, 0.35), (2, 0.19)):
+    for threads, seconds in ((1, 0.20), (2, 0.36), (1, 0.19), (2, 0.35)):
         assert tuner.choose(200) == threads
         tuner.record(200, threads, seconds)
-    assert tuner.choices() == {8: 2}
+    assert tuner.choices() == {8: 1} and tuner.buckets[8].early
     for _ in range(EARLY_HOLD_STEPS - 1):
         tuner.record(200, tuner.choose(200), 0.2)
-    assert tuner.choices() == {8: 2}
-    tuner.record(200, 2, 0.2)  # the early choice has held long enough: the other count runs again
-    assert tuner.choices() == {} and tuner.choose(200) == 1
-    assert tuner.buckets[8].samples == {1: [], 2: [0.2] * EARLY_HOLD_STEPS}  # the held steps' timings
-    tuner.record(200, 1, 0.1)  # one thread faster now: after EARLY_TRIALS steps the medians overturn it
-    assert tuner.choices() == {} and tuner.choose(200) == 1
-    tuner.record(200, 1, 0.15)
-    assert tuner.choices() == {8: 1} and not tuner.buckets[8].early  # holds for remeasure_steps now
-    kept = ThreadTuner((1, 2), trials=5)  # the same, with one thread still slower: confirmed
-    for threads, seconds in ((1, 0.36), (2, 0.20), (1, 0.35), (2, 0.19)):
+    assert tuner.choices() == {8: 1}
+    tuner.record(200, 1, 0.2)  # the early choice has held long enough: the other count runs again
+    assert tuner.choices() == {} and tuner.choose(200) == 2
+    assert tuner.buckets[8].samples == {1: [0.2] * EARLY_HOLD_STEPS, 2: []}  # the held steps' timings
+    tuner.record(200, 2, 0.1)  # the other core is free again: after EARLY_TRIALS steps the medians overturn it
+    assert tuner.choices() == {} and tuner.choose(200) == 2
+    tuner.record(200, 2, 0.15)
+    assert tuner.choices() == {8: 2} and not tuner.buckets[8].early  # holds for remeasure_steps now
+    kept = ThreadTuner((1, 2), trials=5)  # the same, with two threads still slower: confirmed
+    for threads, seconds in ((1, 0.20), (2, 0.36), (1, 0.19), (2, 0.35)):
         kept.record(200, threads, seconds)
     for _ in range(EARLY_HOLD_STEPS):
         kept.record(200, kept.choose(200), 0.2)
     for _ in range(EARLY_TRIALS):
-        assert kept.choose(200) == 1
-        kept.record(200, 1, 0.3)
-    assert kept.choices() == {8: 2} and not kept.buckets[8].early
+        assert kept.choose(200) == 2
+        kept.record(200, 2, 0.3)
+    assert kept.choices() == {8: 1} and not kept.buckets[8].early
     close = ThreadTuner((1, 2), trials=5)  # within the margin: it keeps measuring
     for threads, seconds in ((1, 0.22), (2, 0.20), (1, 0.21), (2, 0.19)):
         close.record(200, threads, seconds)
     assert close.choices() == {}
+
+
+def test_a_clear_win_for_the_most_threads_holds_until_the_check() -> None:
+    """Two threads 1.8x faster in every step: another process's load slows steps on more threads, not fewer, so
+    the early choice holds for remeasure_steps at once; then the other count runs EARLY_TRIALS steps against the
+    choice's last EARLY_HOLD_STEPS steps, and the choice stands (or falls) on their medians."""
+    tuner = ThreadTuner((1, 2), trials=5, remeasure_steps=100)
+    for threads, seconds in ((1, 0.36), (2, 0.20), (1, 0.35), (2, 0.19)):
+        assert tuner.choose(200) == threads
+        tuner.record(200, threads, seconds)
+    assert tuner.choices() == {8: 2} and not tuner.buckets[8].early
+    for i in range(99):  # far past EARLY_HOLD_STEPS, no step on one thread
+        assert tuner.choose(200) == 2
+        tuner.record(200, 2, 0.2 + i / 1e4)
+    tuner.record(200, 2, 0.25)
+    assert tuner.choices() == {} and tuner.choose(200) == 1
+    held = tuner.buckets[8].samples
+    assert held[1] == [] and len(held[2]) == EARLY_HOLD_STEPS and held[2][-1] == 0.25  # the recent ones only
+    for _ in range(EARLY_TRIALS):
+        assert tuner.choose(200) == 1
+        tuner.record(200, 1, 0.4)
+    assert tuner.choices() == {8: 2}  # confirmed after two steps on one thread, not TRIALS
 
 
 def test_a_close_call_is_checked_again_after_the_early_hold() -> None:
