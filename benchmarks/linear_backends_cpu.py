@@ -9,7 +9,8 @@ sgemm (``mkl._mkl_linear``, inductor's fp32 choice with a static batch size).
 Shapes: every projection of the bundled demo model (hidden 256, intermediate 768, 4 heads / 2 KV
 heads of 64, vocab 4096) and of the benchmark's 30M Llama (hidden 512, intermediate 1536, 2 KV heads of
 64, vocab 8192), at 1, 64 and 512 rows. Prints ms per model step (every projection of every layer
-plus the LM head for one row per request) for each path, median of ``--reps`` alternating runs.
+plus the LM head for one row per request) for each path, median of ``--reps`` alternating runs, and its rate in
+GFLOP/s (read against the CPU's FMA peak, ``benchmarks/fma_peak.c``).
 """
 
 from __future__ import annotations
@@ -123,7 +124,9 @@ def main() -> None:
             for rows in (1, 64, 512):
                 res = step_seconds(model, rows, dtype, args.reps)
                 base = res["F.linear"]
-                cells = ", ".join(f"{n} {s * 1e3:.3f} ms ({base / s:.2f}x)" for n, s in res.items())
+                flops = 2 * rows * sum(o * i * times for o, i, times in MODELS[model].values())
+                cells = ", ".join(f"{n} {s * 1e3:.3f} ms ({base / s:.2f}x, {flops / s / 1e9:.0f} GFLOP/s)"
+                                  for n, s in res.items())  # fmt: skip
                 print(f"{model:5s} {str(dtype)[6:]:9s} rows {rows:4d}: {cells}", flush=True)
 
 
