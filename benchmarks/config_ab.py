@@ -25,21 +25,18 @@ from hf_paged_attn._env import CLI_DEFAULTS, OPENMP_WAITING
 if not any(os.environ.get(k) for k in OPENMP_WAITING):
     os.environ.update(CLI_DEFAULTS)  # before torch loads, as the commands run
 
-from hf_paged_attn_tools.bench.vs_vllm import workload  # noqa: E402
+from hf_paged_attn_tools.bench import vs_vllm  # noqa: E402
 from hf_paged_attn_tools.bench.vs_vllm_worker import ours_engine  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--row", choices=("random", "demo"), default="random")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    vs_vllm.row_arguments(parser, work_dir=Path(tempfile.gettempdir()) / "hf_paged_attn_vs_vllm")
     parser.add_argument("--field", default="max_batch_tokens")
     parser.add_argument("--values", default="512,1024,2048", help="comma-separated JSON values")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "hf_paged_attn_vs_vllm")
     args = parser.parse_args(argv)
-    job = {**workload(args.row, args.work_dir), "dtype": args.dtype, "threads": args.threads}
+    job = {**vs_vllm.workload(args.row, args.work_dir), "dtype": args.dtype, "threads": args.threads}
     import torch
 
     torch.set_num_threads(args.threads)

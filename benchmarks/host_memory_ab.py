@@ -52,18 +52,15 @@ def child(job: dict, value: bool | None, passes: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from hf_paged_attn_tools.bench import vs_vllm
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--row", choices=("random", "demo"), default="random")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    vs_vllm.row_arguments(parser, work_dir=Path(tempfile.gettempdir()) / "hf_paged_attn_vs_vllm")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--passes", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "hf_paged_attn_vs_vllm")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # the value a child process runs, as JSON
     args = parser.parse_args(argv)
-    from hf_paged_attn_tools.bench.vs_vllm import workload
-
-    job = {**workload(args.row, args.work_dir), "dtype": args.dtype, "threads": args.threads}
+    job = {**vs_vllm.workload(args.row, args.work_dir), "dtype": args.dtype, "threads": args.threads}
     if args.child is not None:
         print(json.dumps(child(job, json.loads(args.child), args.passes)))
         return

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from pathlib import Path
 
 os.environ.setdefault("GOMP_SPINCOUNT", "3000")  # as our commands run (hf_paged_attn._env.CLI_DEFAULTS)
 
@@ -29,12 +28,10 @@ from hf_paged_attn_tools.bench.ab import report  # noqa: E402
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--row", choices=("random", "demo"), default="random")
+    vs_vllm.row_arguments(parser, dtype=False)
     parser.add_argument("--prompts", type=int, default=0, help="the row's first N prompts (0: all)")
     parser.add_argument("--new-tokens", default="workload", help="'workload' or a number for every prompt")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache" / "hf_paged_attn" / "vs_vllm")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     job = vs_vllm.workload(args.row, args.work_dir)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from pathlib import Path
 
 os.environ.setdefault("GOMP_SPINCOUNT", "3000")  # as our commands run (hf_paged_attn._env.CLI_DEFAULTS)
 
@@ -41,11 +40,9 @@ def engine_for(job: dict, pass_on: bool) -> ContinuousBatchingEngine:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--row", choices=("random", "demo"), default="random")
+    vs_vllm.row_arguments(parser, dtype=False)
     parser.add_argument("--new-tokens", default="workload", help="'workload' or a number for every prompt")
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache" / "hf_paged_attn" / "vs_vllm")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     job = vs_vllm.workload(args.row, args.work_dir)

@@ -21,7 +21,6 @@ import os
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from pathlib import Path
 
 os.environ.setdefault("GOMP_SPINCOUNT", "3000")  # as our commands run (hf_paged_attn._env.CLI_DEFAULTS)
 
@@ -109,12 +108,9 @@ def split_profile(events: list) -> dict[str, dict[str, float]]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--row", choices=("random", "demo"), default="random")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    vs_vllm.row_arguments(parser)
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-profile", action="store_true", help="skip the run under torch.profiler")
-    parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache" / "hf_paged_attn" / "vs_vllm")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     job = {**vs_vllm.workload(args.row, args.work_dir), "dtype": args.dtype}

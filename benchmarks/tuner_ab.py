@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from pathlib import Path
 
 os.environ.setdefault("GOMP_SPINCOUNT", "3000")  # as our commands run (hf_paged_attn._env.CLI_DEFAULTS)
 
@@ -28,10 +27,8 @@ from hf_paged_attn_tools.bench.ab import report  # noqa: E402
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--row", choices=("random", "demo"), default="random")
+    vs_vllm.row_arguments(parser, dtype=False)
     parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache" / "hf_paged_attn" / "vs_vllm")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     job = {**vs_vllm.workload(args.row, args.work_dir), "dtype": "float32"}

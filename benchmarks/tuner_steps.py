@@ -15,7 +15,6 @@ import argparse
 import os
 import time
 from collections import defaultdict
-from pathlib import Path
 
 os.environ.setdefault("GOMP_SPINCOUNT", "3000")  # as our commands run (hf_paged_attn._env.CLI_DEFAULTS)
 
@@ -27,11 +26,8 @@ from hf_paged_attn_tools.bench import vs_vllm  # noqa: E402
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--row", choices=("random", "demo"), default="random")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    vs_vllm.row_arguments(parser)
     parser.add_argument("--passes", type=int, default=22)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache" / "hf_paged_attn" / "vs_vllm")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     steps: list[tuple[int, int, float]] = []  # (bucket, threads, seconds) of the pass's steps

@@ -51,6 +51,18 @@ from hf_paged_attn_tools.bench.vs_vllm_worker import ours_engine  # noqa: F401  
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "vs_vllm_worker.py"  # run as a script under either interpreter
+WORK_DIR = Path.home() / ".cache" / "hf_paged_attn" / "vs_vllm"  # the rows' models, made once
+
+
+def row_arguments(parser: argparse.ArgumentParser, row: str = "random", dtype: bool = True,
+                  work_dir: Path = WORK_DIR) -> None:  # fmt: skip
+    """The options of a ``benchmarks/`` script on one row of this comparison: ``--row``, ``--dtype`` (unless
+    ``dtype`` is False), ``--threads`` and ``--work-dir``."""
+    parser.add_argument("--row", choices=("random", "demo"), default=row)
+    if dtype:
+        parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--work-dir", type=Path, default=work_dir)
 ROWS = ("demo-float32", "demo-bfloat16", "random-float32", "random-bfloat16")
 
 
@@ -218,7 +230,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> list[dict]:
                         "(e.g. spin:OMP_WAIT_POLICY=ACTIVE; K= unsets K), or module constants set "
                         "(HF_PAGED_ATTN_BENCH_SET=MODULE.NAME=VALUE[;...])")
     parser.add_argument("--smoke", action="store_true", help="demo rows only, 6 prompts x 8 new tokens")
-    parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache" / "hf_paged_attn" / "vs_vllm")
+    parser.add_argument("--work-dir", type=Path, default=WORK_DIR)
     parser.add_argument("--timeout", type=int, default=1800)
     parser.add_argument("--perf", action="store_true", help="split each system's CPU time by library during its "
                         "compiled passes (perf record -a: needs perf, and a machine otherwise quiet)")
