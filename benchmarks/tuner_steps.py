@@ -49,13 +49,14 @@ def main(argv: list[str] | None = None) -> None:
         times: dict[int, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
         for key, count, seconds in steps:
             times[key][count].append(seconds)
-        fewer = {key: by for key, by in times.items() if any(c < args.threads for c in by)}
-        spent = sum(s for by in fewer.values() for c, ss in by.items() if c < args.threads for s in ss)
+        fewer = {key: [s for c, ss in by.items() if c < args.threads for s in ss] for key, by in times.items()}
+        spent = sum(sum(few) for few in fewer.values())
         fewer_in_all += spent if p else 0.0
         cells = []
-        for key, by in sorted(fewer.items()):
-            few = [s for c, ss in by.items() if c < args.threads for s in ss]
-            most = by.get(args.threads, [])
+        for key, few in sorted(fewer.items()):
+            if not few:
+                continue
+            most = times[key].get(args.threads, [])
             cells.append(f"bucket {key}: {len(few)} x {1e3 * sum(few) / len(few):.0f} ms"
                          + (f" (all threads {1e3 * sum(most) / len(most):.0f} ms)" if most else ""))  # fmt: skip
         print(f"pass {p}: {wall:.2f} s; on fewer threads {spent:.3f} s" + (": " + ", ".join(cells) if cells else ""))

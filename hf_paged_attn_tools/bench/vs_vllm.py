@@ -63,6 +63,8 @@ def row_arguments(parser: argparse.ArgumentParser, row: str = "random", dtype: b
         parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--work-dir", type=Path, default=work_dir)
+
+
 ROWS = ("demo-float32", "demo-bfloat16", "random-float32", "random-bfloat16")
 
 
