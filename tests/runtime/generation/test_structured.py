@@ -25,6 +25,7 @@ from hf_paged_attn.runtime.generation.structured import (
     Matcher,
     StructuredSpec,
     apply_bitmask,
+    apply_bitmask_torch,
 )
 
 VOCAB = 4096
@@ -396,3 +397,27 @@ def test_a_schema_nested_past_the_stack_is_a_value_error():
         node = node["items"]
     with pytest.raises(ValueError, match="json: the schema is not JSON-serializable"):
         StructuredSpec(json=deep)
+
+
+@pytest.mark.parametrize(("dtype", "path"), [(torch.float32, "numpy"), (torch.float32, "torch"),
+                                           (torch.bfloat16, "torch"), (torch.float64, "torch")])  # fmt: skip
+@pytest.mark.parametrize("rows", [None, "in order", [4, 0, 2]])
+def test_the_application_adds_minus_inf_where_a_bit_is_clear(dtype: torch.dtype, path: str, rows: object) -> None:
+    """Both ways (float32 CPU logits go through numpy, the others through torch) against a plain loop over the
+    bits, with NaN and +-inf logits (an add of -inf: NaN stays NaN, a forbidden +inf becomes NaN), a vocabulary
+    that ends inside a word, and the rows left out untouched."""
+    vocab, gen = 100, torch.Generator().manual_seed(3)
+    logits = torch.randn(5, vocab, generator=gen).to(dtype)
+    logits[0, 7], logits[1, 8], logits[2, 9], logits[4, 31] = float("nan"), float("inf"), float("-inf"), float("inf")
+    targets = list(range(5)) if rows in (None, "in order") else rows
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (len(targets), 4), dtype=torch.int32, generator=gen)
+    expected = logits.clone().double()
+    for i, row in enumerate(targets):
+        for t in range(vocab):
+            if not (int(bitmask[i, t // 32]) >> (t % 32)) & 1:
+                expected[row, t] += float("-inf")
+    got = logits.clone()
+    apply = apply_bitmask if path == "numpy" else apply_bitmask_torch
+    apply(got, bitmask, None if rows is None else targets)
+    assert torch.equal(got.double().isnan(), expected.isnan())
+    assert torch.equal(got.double().nan_to_num(), expected.to(dtype).double().nan_to_num())
