@@ -27,7 +27,8 @@ ALLOWED: dict[str, set[str]] = {
     "runtime": {"core", "attention", "kernels", "transformers_private", "torch_private"},
     "parallel": {"runtime", "core", "attention", "kernels"},
     "integration": {"runtime", "parallel", "core", "attention", "kernels", "transformers_private", "torch_private"},
-    "serve": {"public", "parallel"},  # parallel: ``hf-paged-attn serve --tp-plan auto``'s other ranks
+    # parallel: ``hf-paged-attn serve --tp-plan auto``'s other ranks; _env: the process defaults of a command
+    "serve": {"public", "parallel", "_env"},
     "demo": {"public", "_env"},
     "_env": set(),
     "cli": {"public", "_env", "serve", "demo", "tools"},  # bench is a thin entry point into hf_paged_attn_tools

@@ -89,6 +89,18 @@ def test_demo_sets_the_default_when_unset():
     assert "Loading weights" not in result.stderr  # no progress-bar noise from transformers
 
 
+def test_freeze_heap_leaves_only_later_objects_to_the_collector():
+    """In a process of its own (a frozen heap is never walked again): after ``freeze_heap`` the collector tracks
+    only what was made since."""
+    code = ("import gc, torch; from hf_paged_attn._env import freeze_heap; n = freeze_heap(); "
+            "later = [[] for _ in range(10)]; print(n, gc.get_freeze_count(), len(gc.get_objects()))")  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    frozen, count, tracked = map(int, result.stdout.split())
+    assert frozen == count > 50_000 and 10 <= tracked < 1_000  # torch's objects frozen; the new lists tracked
+
+
 def test_help(capsys):
     assert main([]) == 2
     with pytest.raises(SystemExit) as exit_:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import PagedConfig, SpeculativeConfig
+from .._env import freeze_heap
 from .limits import CHARS_PER_TOKEN, DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DRAIN_GRACE_S, MAX_HEADER_BYTES
 from .openai.images import (
     DEFAULT_FETCH_TIMEOUT_S,
@@ -357,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     # started: make that one a no-op so a drained shutdown exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
+    # what the server holds from here on lives as long as it does: full collections no longer walk it
+    logger.info("froze the %d objects of start-up (_env.freeze_heap)", freeze_heap())
     Server(config).run(sockets=[sock])
     if hasattr(engine, "shutdown"):  # tensor parallel: ends the other ranks' loop
         engine.shutdown()

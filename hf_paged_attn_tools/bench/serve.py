@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hf_paged_attn._env import freeze_heap
 from hf_paged_attn.demo import DEMO_MODEL, PROMPTS
 from hf_paged_attn_tools.bench.report import default_out_dir
 from hf_paged_attn_tools.bench.workloads import ModelSpec
@@ -172,6 +173,7 @@ def run(argv: list[str] | None = None, prog: str = PROG) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {system: [] for system in systems}
     with tempfile.TemporaryDirectory() as scratch:
         model = model_dir(args.model, Path(scratch))
+        freeze_heap()  # this client's own full collections (torch is imported here) are not the servers' time
         for _ in range(args.repeat):  # alternate the systems: a shared machine's load drifts
             for system in systems:
                 server = start(system, model, args)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import signal
 import time
 import urllib.parse
@@ -126,6 +127,7 @@ def test_sigterm_drains_running_requests_and_exits_0(server):
     assert server.process.wait(30) == 0
     assert time.monotonic() - start < 30
     assert "stopped" in "".join(server.log)
+    assert re.search(r"froze the \d{5,} objects of start-up", "".join(server.log))  # before it listened
     with pytest.raises(openai.APIConnectionError):  # no longer listening
         client.models.list()
 
