@@ -203,3 +203,27 @@ def test_bad_requests_are_refused_by_name(demo_engine_parts):
         engine.add_request(ids, max_new_tokens=4, tokenizer=tokenizer, structured={"regex": "a+"},
                            generation_config=GenerationConfig(num_beams=2))  # fmt: skip
     assert not engine.has_unfinished()
+
+
+def test_a_greedy_row_read_beyond_its_argmax_is_masked(demo_engine_parts):
+    """A greedy constrained request whose stopping criterion reads its row sees it masked at every step, and
+    its tokens are those of the same request without the criterion."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class Seen(StoppingCriteria):
+        def __init__(self) -> None:
+            self.rows: list[torch.Tensor] = []
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: object) -> torch.Tensor:
+            self.rows.append(scores.clone())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    tokenizer, model = demo_engine_parts
+    engine = ContinuousBatchingEngine(model, PagedConfig())
+    seen, schema = Seen(), {"json": SCHEMAS["enum_and_bounds"]}
+    watched = engine.add_request(prompt(tokenizer), max_new_tokens=30, tokenizer=tokenizer, structured=schema,
+                                 stopping_criteria=StoppingCriteriaList([seen]))  # fmt: skip
+    plain = engine.add_request(prompt(tokenizer), max_new_tokens=30, tokenizer=tokenizer, structured=schema)
+    first, second = engine.collect([watched, plain])
+    assert first.output_ids == second.output_ids and len(seen.rows) == len(first.output_ids) > 5
+    assert all(torch.isinf(row).any() for row in seen.rows)  # a JSON grammar forbids tokens at every step
