@@ -3,7 +3,9 @@
 float32 CPU logits) and torch (``apply_bitmask_torch``, its way for other dtypes and devices); 32 rows (the
 structured benchmarks' batch), vocabularies from the bundled model's to Llama 3's, calls alternating.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/mask_apply_cpu.py [--rows 32] [--threads 2] [--reps 200]
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/mask_apply_cpu.py [--rows 32] [--reps 200] [--vocabs 4096,32000]
+
+Both ways run on one thread (torch's sets it around its ops), whatever torch's thread count.
 
 Prints the median ms per call of each and the ratio of torch's to numpy's (above 1: numpy is faster), after
 checking that both give the same logits.
@@ -33,15 +35,14 @@ def per_call(apply, logits: torch.Tensor, bitmask: torch.Tensor, reps: int) -> f
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--reps", type=int, default=200, help="calls per timing at 4,096 tokens (fewer above)")
+    parser.add_argument("--vocabs", default=",".join(map(str, VOCABS)), help="comma-separated vocabulary sizes")
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)  # apply_bitmask_torch runs on one thread whatever this is
     gen = torch.Generator().manual_seed(0)
     ways = {"numpy": lambda x, b: apply_bitmask_numpy(x.numpy(), b.numpy(), None),
             "torch": lambda x, b: apply_bitmask_torch(x, b, None)}  # fmt: skip
     print(f"{'vocab':>7}  {'numpy ms':>8}  {'torch ms':>8}  ratio")
-    for vocab in VOCABS:
+    for vocab in (int(v) for v in args.vocabs.split(",")):
         logits = torch.randn(args.rows, vocab, generator=gen)
         bitmask = torch.randint(-(2**31), 2**31 - 1, (args.rows, (vocab + 31) // 32), dtype=torch.int32, generator=gen)
         results = {}
