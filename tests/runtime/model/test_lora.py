@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import gc
+import weakref
 
 import pytest
 import torch
@@ -192,6 +194,25 @@ def test_engine_loads_and_unloads_adapters(llama_dir, adapter_dirs, models):
         engine.load_adapter("x", adapter_dirs["b"])  # the same name, other weights: nothing cached under "x" serves
         (out,) = engine.collect([engine.add_request(prompt, max_new_tokens=NEW, adapter_name="x")])
         assert out.num_cached_tokens == 0 and out.output_ids == reference(ref, prompt, "b")
+
+
+def test_an_adapter_unloaded_under_a_frozen_heap_is_freed(llama_dir, adapter_dirs):
+    """``hf-paged-attn serve`` freezes its start-up heap (``_env.freeze_heap``): an adapter loaded before and
+    unloaded after, once it has run, must be freed by reference counts alone (no cycle through the engine or PEFT
+    holds it), or the server would keep its weights."""
+    base = AutoModelForCausalLM.from_pretrained(llama_dir, attn_implementation="paged", dtype=torch.float32).eval()
+    with ContinuousBatchingEngine(base, PagedConfig(block_size=4, num_blocks=64)) as engine:
+        engine.load_adapter("x", adapter_dirs["a"])
+        engine.collect([engine.add_request(PROMPTS[2], max_new_tokens=2, adapter_name="x")])
+        weights = [weakref.ref(p) for name, p in base.named_parameters() if ".x." in name]
+        gc.collect()
+        gc.freeze()
+        try:
+            engine.unload_adapter("x")
+            alive = sum(w() is not None for w in weights)
+        finally:
+            gc.unfreeze()
+    assert len(weights) == 2 * base.config.num_hidden_layers * 2 and alive == 0  # q_proj, v_proj: A and B
 
 
 def test_peft_mixed_batch_with_beam_search(models):
