@@ -12,8 +12,8 @@ capability 8.9+), only torch reads int8 pages (``supports_int8_pages``): ``kerne
 reads the cache's pages, and an explicit kernel that does not is refused.
 
 ``lora_triton.py`` holds the batched LoRA kernels (Punica's SGMV shrink / expand), ``lora_reference.py`` their
-float64 reference; they are not an attention backend. ``reference.py`` is the float64 reference every backend is
-tested against. The registry below is
+float64 reference, ``cpu_bitmask.py`` a grammar's token mask added to CPU logits; they are not an attention
+backend. ``reference.py`` is the float64 reference every backend is tested against. The registry below is
 the one place that lists the backends in ``kernel="auto"``'s order of preference; ``PagedConfig``
 and the engine read it. Only torch is imported to choose: flash-attn and triton load when a kernel
 first runs.

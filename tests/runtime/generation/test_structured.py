@@ -20,11 +20,13 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from hf_paged_attn.demo import DEMO_MODEL
+from hf_paged_attn.kernels import cpu_bitmask
 from hf_paged_attn.runtime.generation.structured import (
     GrammarCompiler,
     Matcher,
     StructuredSpec,
     apply_bitmask,
+    apply_bitmask_numpy,
     apply_bitmask_torch,
 )
 
@@ -399,13 +401,14 @@ def test_a_schema_nested_past_the_stack_is_a_value_error():
         StructuredSpec(json=deep)
 
 
-@pytest.mark.parametrize(("dtype", "path"), [(torch.float32, "numpy"), (torch.float32, "torch"),
-                                           (torch.bfloat16, "torch"), (torch.float64, "torch")])  # fmt: skip
+@pytest.mark.parametrize(("dtype", "path"), [(torch.float32, "native"), (torch.float32, "numpy"),
+                                           (torch.float32, "torch"), (torch.bfloat16, "torch"),
+                                           (torch.float64, "torch")])  # fmt: skip
 @pytest.mark.parametrize("rows", [None, "in order", [4, 0, 2]])
 def test_the_application_adds_minus_inf_where_a_bit_is_clear(dtype: torch.dtype, path: str, rows: object) -> None:
-    """Both ways (float32 CPU logits go through numpy, the others through torch) against a plain loop over the
-    bits, with NaN and +-inf logits (an add of -inf: NaN stays NaN, a forbidden +inf becomes NaN), a vocabulary
-    that ends inside a word, and the rows left out untouched."""
+    """Every way (float32 CPU logits: the native loop, numpy without a compiler; torch for the others) against a
+    plain loop over the bits, with NaN and +-inf logits (an add of -inf: NaN stays NaN, a forbidden +inf becomes
+    NaN), a vocabulary that ends inside a word, and the rows left out untouched."""
     vocab, gen = 100, torch.Generator().manual_seed(3)
     logits = torch.randn(5, vocab, generator=gen).to(dtype)
     logits[0, 7], logits[1, 8], logits[2, 9], logits[4, 31] = float("nan"), float("inf"), float("-inf"), float("inf")
@@ -417,7 +420,27 @@ def test_the_application_adds_minus_inf_where_a_bit_is_clear(dtype: torch.dtype,
             if not (int(bitmask[i, t // 32]) >> (t % 32)) & 1:
                 expected[row, t] += float("-inf")
     got = logits.clone()
-    apply = apply_bitmask if path == "numpy" else apply_bitmask_torch
-    apply(got, bitmask, None if rows is None else targets)
+    given = None if rows is None else targets
+    if path == "native":
+        assert cpu_bitmask.library() is not None  # the suite's machines have a C compiler
+        apply_bitmask(got, bitmask, given)
+    elif path == "numpy":
+        apply_bitmask_numpy(got.numpy(), bitmask.numpy(), given)
+    else:
+        apply_bitmask_torch(got, bitmask, given)
     assert torch.equal(got.double().isnan(), expected.isnan())
     assert torch.equal(got.double().nan_to_num(), expected.to(dtype).double().nan_to_num())
+
+
+def test_the_native_application_checks_what_it_is_given() -> None:
+    """The C loop trusts its arguments: rows outside the logits are an error, tensors it does not read are left
+    to numpy (False), a view of every other row is read at its stride."""
+    logits, bitmask = torch.zeros(4, 64), torch.zeros(2, 2, dtype=torch.int32)
+    with pytest.raises(IndexError, match=r"rows must lie in \[0, 4\), got 1 .. 4"):
+        cpu_bitmask.apply(logits, bitmask, [1, 4])
+    assert not cpu_bitmask.apply(logits.double(), bitmask, [0, 1])
+    assert not cpu_bitmask.apply(logits[:, ::2], bitmask, [0, 1])  # not unit stride along the vocabulary
+    assert not cpu_bitmask.apply(logits, torch.zeros(2, 1, dtype=torch.int32), [0, 1])  # 32 bits for 64 tokens
+    every_other = logits[::2]  # rows 0 and 2, 128 floats apart
+    assert cpu_bitmask.apply(every_other, bitmask, None)
+    assert torch.isneginf(logits[[0, 2]]).all() and not logits[[1, 3]].any()
