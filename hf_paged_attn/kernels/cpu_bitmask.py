@@ -13,9 +13,9 @@ compiler ``apply`` returns False and the caller uses numpy.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import subprocess
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -26,29 +26,20 @@ from . import cpu_native
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_bitmask.c")
-_lock = threading.Lock()
-_library: ctypes.CDLL | None = None
-_failed = False
 
 
+@functools.cache  # (two threads at once may both build: cpu_native.build renames its result into place)
 def library() -> ctypes.CDLL | None:
     """The loaded function, built on first use; None (logged once) if it cannot be built."""
-    global _library, _failed
-    if _library is not None or _failed:
-        return _library
-    with _lock:
-        if _library is None and not _failed:
-            try:
-                lib = ctypes.CDLL(str(cpu_native.build(sources=[SOURCE], name="cpu_bitmask")))
-                lib.apply_bitmask_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                                  ctypes.c_int64, ctypes.POINTER(ctypes.c_int64),
-                                                  ctypes.c_int64]  # fmt: skip
-                lib.apply_bitmask_f32.restype = None
-                _library = lib
-            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-                _failed = True
-                logger.info("hf_paged_attn: the native bitmask application is unavailable (numpy): %s", exc)
-    return _library
+    try:
+        lib = ctypes.CDLL(str(cpu_native.build(sources=[SOURCE], name="cpu_bitmask")))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        logger.info("hf_paged_attn: the native bitmask application is unavailable (numpy): %s", exc)
+        return None
+    lib.apply_bitmask_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                      ctypes.POINTER(ctypes.c_int64), ctypes.c_int64]  # fmt: skip
+    lib.apply_bitmask_f32.restype = None
+    return lib
 
 
 def apply(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | None) -> bool:

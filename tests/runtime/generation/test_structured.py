@@ -444,3 +444,17 @@ def test_the_native_application_checks_what_it_is_given() -> None:
     every_other = logits[::2]  # rows 0 and 2, 128 floats apart
     assert cpu_bitmask.apply(every_other, bitmask, None)
     assert torch.isneginf(logits[[0, 2]]).all() and not logits[[1, 3]].any()
+
+
+def test_without_a_c_compiler_the_application_is_numpys(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setenv("CC", "no-such-compiler-hf-paged")
+    monkeypatch.setenv("HF_PAGED_ATTN_CACHE", str(tmp_path))  # nothing cached there
+    cpu_bitmask.library.cache_clear()
+    try:
+        assert cpu_bitmask.library() is None
+        logits, bitmask = torch.zeros(2, 64), torch.tensor([[1, 0], [0, 1]], dtype=torch.int32)
+        assert not cpu_bitmask.apply(logits, bitmask, None)
+        apply_bitmask(logits, bitmask)  # token 0 allowed in row 0, token 32 in row 1
+        assert logits[0, 0] == 0 and logits[1, 32] == 0 and torch.isneginf(logits).sum() == 2 * 63
+    finally:
+        cpu_bitmask.library.cache_clear()  # the next caller builds (or finds) the real one
