@@ -443,7 +443,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[in
     ``logits``: ``[num_rows, vocab]`` float, any device; ``bitmask``: int32 ``[n, ceil(vocab / 32)]``
     (CPU or ``logits``' device); ``rows``: ``n`` distinct row indices (None: ``n == num_rows``, in order).
     float32 logits on the CPU go through native code (``kernels/cpu_bitmask.py``: one pass, 32 rows of 4,096 in
-    0.029 ms) or, without a C compiler, numpy (``apply_bitmask_numpy``); the others through torch
+    0.03 ms) or, without a C compiler, numpy (``apply_bitmask_numpy``); the others through torch
     (``apply_bitmask_torch``).
     """
     n, words = bitmask.shape
