@@ -36,7 +36,16 @@ from .model import lora
 from .model.kv_scales import kv_scales_for
 from .model.marks import marks_for
 from .model.placement import input_device, layer_kinds
-from .model.sleep import TAGS, SleepState, allocate_pages, free_pages, pool_bytes, sleep_weights, wake_weights
+from .model.sleep import (
+    TAGS,
+    SleepState,
+    allocate_pages,
+    free_pages,
+    pool_bytes,
+    sleep_weights,
+    trim_heap,
+    wake_weights,
+)
 from .model.weight_loading import load_directory, load_named_tensors
 from .model.weights import WeightsWatch
 from .multimodal import DERIVED_INPUTS, IMAGE_INPUTS, MultimodalInputs, MultimodalSteps, split_images
@@ -381,6 +390,7 @@ class ContinuousBatchingEngine(BatchAPI):
         freed = pool_bytes(self.cache)
         state.pages = free_pages(self.cache)
         sleep_weights(self.model, state)
+        trim_heap()  # what malloc kept of the pages (and level 2's copies) goes back to the OS too
         self._sleep = state
         return freed
 
