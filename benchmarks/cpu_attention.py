@@ -1,17 +1,21 @@
 """The native CPU attention kernels (hf_paged_attn/kernels/cpu_native.py) next to what they replace, in one
 process, calls interleaved round-robin so that the machine's load falls on every column alike:
 
-* decode: the previous native decode kernel (``cpu_decode.c`` at git revision ``--old-rev``, built here)
-  against the new one, and the new one capped to its portable kernels;
+* decode: the native kernels as they were at git revision ``--old-rev`` (``cpu_attention*.c`` there, built
+  here) against the working tree's, and the working tree's capped to their portable kernels;
 * prefill: ``cpu_native.paged_prefill`` against the torch backend's ``paged_prefill_attention`` with the
   native kernel off (every prefilling request's keys gathered from the pages, then SDPA), and "chosen":
   ``paged_prefill_attention`` as the engine calls it (native, or gathered where ``sdpa_prefill_wins``);
 * shared-prefix decode: 64 requests on one 512-token prefix, 32-token tails each, with and without the
   grouping (and the torch backend's own cascade, native off, for reference).
 
-    python benchmarks/cpu_attention.py [--threads N] [--reps R] [--old-rev REV] [--quick]
+    python benchmarks/cpu_attention.py [--threads N] [--reps R] [--old-rev REV] [--quick] [--cold]
 
-Shapes: the bundled demo model (H=4, H_kv=2, D=64) and a 28M Llama (H=8, H_kv=4, D=64); block size 16.
+``--cold``: a 64 MiB buffer is written before every decode call, so that the pages come from memory as in an
+engine's step (each layer's pages are read once a step, and a step's layers together outgrow the caches).
+
+Shapes: the bundled demo model (H=4, H_kv=2, D=64), a 28M Llama (H=8, H_kv=4, D=64) and the 30M Llama of
+``hf-paged-attn bench vllm`` (H=8, H_kv=2, D=64); block size 16.
 Medians in ms per call (one layer); ratios are old / new (above 1: the new one is faster).
 """
 
@@ -34,50 +38,37 @@ from hf_paged_attn.kernels import cpu_native, torch_backend
 from hf_paged_attn.kernels.base import AttentionOptions
 
 BLOCK = 16
-SHAPES = {"demo": (4, 2, 64), "llama28m": (8, 4, 64)}  # H, H_kv, D
+SHAPES = {"demo": (4, 2, 64), "llama28m": (8, 4, 64), "llama30m": (8, 2, 64)}  # H, H_kv, D
 
 
-class _OldArgs(ctypes.Structure):
-    """``DecodeArgs`` of the previous cpu_decode.c."""
-
-    _fields_ = [
-        *((name, ctypes.c_void_p) for name in ("q", "out", "k_cache", "v_cache", "k_new", "v_new")),
-        *((name, ctypes.c_void_p) for name in ("seqlens", "table", "sinks")),
-        *((name, ctypes.c_int64) for name in ("batch", "heads", "kv_heads", "dim", "block_size", "width")),
-        ("num_blocks", ctypes.c_int64),
-        *((name, ctypes.c_int64) for name in ("q_sb", "q_sh", "new_sb", "new_sh", "window_left")),
-        ("scale", ctypes.c_float),
-        ("softcap", ctypes.c_float),
-        ("dtype", ctypes.c_int32),
-        ("num_threads", ctypes.c_int32),
-    ]
+SOURCES = ("cpu_attention.c", "cpu_attention_avx2.c", "cpu_attention_avx512.c")
 
 
-def old_kernel(rev: str) -> Callable[..., torch.Tensor] | None:
-    """The decode kernel as it was at ``rev`` (git), built into a temporary cache; None if git cannot show it."""
+def old_kernels(rev: str) -> ctypes.CDLL | None:
+    """The native kernels as they were at ``rev`` (git), built into a temporary directory; None if git cannot
+    show them there."""
     repo = Path(__file__).resolve().parent.parent
-    shown = subprocess.run(["git", "show", f"{rev}:hf_paged_attn/kernels/cpu_decode.c"], cwd=repo,
-                           capture_output=True, text=True)  # fmt: skip
-    if shown.returncode != 0:
-        print(f"(no old kernel: {shown.stderr.strip()})")
-        return None
     directory = Path(tempfile.mkdtemp())
-    source = directory / "cpu_decode.c"
-    source.write_text(shown.stdout)
-    lib = ctypes.CDLL(str(cpu_native.build(directory=directory, sources=[source], name="cpu_decode_old")))
-    lib.paged_decode.argtypes = [ctypes.POINTER(_OldArgs)]
+    for name in SOURCES:
+        shown = subprocess.run(["git", "show", f"{rev}:hf_paged_attn/kernels/{name}"], cwd=repo,
+                               capture_output=True, text=True)  # fmt: skip
+        if shown.returncode != 0:
+            print(f"(no old kernels: {shown.stderr.strip()})")
+            return None
+        (directory / name).write_text(shown.stdout)
+    return cpu_native.load(cpu_native.build(directory=directory, sources=[directory / n for n in SOURCES], name="old"))
 
-    def call(q, k_cache, v_cache, lens, table, scale, threads) -> torch.Tensor:  # noqa: ANN001
-        b, _, h, d = q.shape
-        out = torch.empty_like(q)
-        args = _OldArgs(
-            q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), None, None,
-            lens.data_ptr(), table.data_ptr(), None, b, h, k_cache.shape[2], d, k_cache.shape[1], table.shape[1],
-            k_cache.shape[0], q.stride(0), q.stride(2), 0, 0, -1, scale, 0.0, 0 if q.dtype == torch.float32 else 1,
-            threads,
-        )  # fmt: skip
-        assert lib.paged_decode(ctypes.byref(args)) == 0
-        return out
+
+def on(library: ctypes.CDLL, fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` with ``cpu_native``'s calls going to ``library``."""
+
+    def call() -> object:
+        current = cpu_native.library()
+        cpu_native._library = library
+        try:
+            return fn()
+        finally:
+            cpu_native._library = current
 
     return call
 
@@ -93,13 +84,16 @@ def torch_ops_only() -> Iterator[None]:
         cpu_native.library = library
 
 
-def compare(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
-    """Median ms per call of each function, called round-robin after one warm-up call each."""
+def compare(fns: dict[str, Callable[[], object]], reps: int, flush: torch.Tensor | None = None) -> dict[str, float]:
+    """Median ms per call of each function, called round-robin after one warm-up call each; ``flush`` is
+    written before each call (the caches then hold it, not what the call reads)."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     for fn in fns.values():
         fn()
     for _ in range(reps):
         for name, fn in fns.items():
+            if flush is not None:
+                flush.add_(1)
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
@@ -115,14 +109,15 @@ def pages(batch: int, context: int, hk: int, d: int, dtype: torch.dtype) -> tupl
     return k_cache, v_cache, table
 
 
-def bench_decode(shape: str, dtype: torch.dtype, batch: int, context: int, old, reps: int) -> None:  # noqa: ANN001
+def bench_decode(
+    shape: str, dtype: torch.dtype, batch: int, context: int, old: ctypes.CDLL | None, reps: int,
+    flush: torch.Tensor | None,
+) -> None:  # fmt: skip
     h, hk, d = SHAPES[shape]
     k_cache, v_cache, table = pages(batch, context, hk, d, dtype)
     q = torch.randn(batch, 1, h, d).to(dtype)
     lens = torch.full((batch,), context, dtype=torch.int32)
     scale = d**-0.5
-    # The same rule for both kernels: threads only above the work threshold.
-    threads = torch.get_num_threads() if batch * h * context * d > cpu_native.threaded_work() else 1
 
     def new(isa: str | None = None) -> Callable[[], object]:
         return lambda: cpu_native.paged_decode(
@@ -131,8 +126,8 @@ def bench_decode(shape: str, dtype: torch.dtype, batch: int, context: int, old, 
 
     fns = {"new": new(), "portable": new("portable")}
     if old is not None:
-        fns["old"] = lambda: old(q, k_cache, v_cache, lens, table, scale, threads)
-    ms = compare(fns, reps)
+        fns["old"] = on(old, new())
+    ms = compare(fns, reps, flush)
     ratio = f"{ms['old'] / ms['new']:5.2f}x" if "old" in ms else "  -  "
     old_ms = ms.get("old", float("nan"))
     print(f"decode  {shape:8s} {str(dtype)[6:]:8s} B={batch:3d} ctx={context:5d}  old {old_ms:8.3f}"
@@ -174,7 +169,7 @@ def bench_prefill(shape: str, dtype: torch.dtype, name: str, q_lens: list[int], 
           f"  gather/native {ms['gather+SDPA'] / ms['native']:5.2f}x")  # fmt: skip
 
 
-def bench_shared_prefix(shape: str, dtype: torch.dtype, reps: int, old) -> None:  # noqa: ANN001
+def bench_shared_prefix(shape: str, dtype: torch.dtype, reps: int, old: ctypes.CDLL | None) -> None:
     h, hk, d = SHAPES[shape]
     batch, prefix, tail = 64, 512, 32
     shared = prefix // BLOCK
@@ -188,7 +183,6 @@ def bench_shared_prefix(shape: str, dtype: torch.dtype, reps: int, old) -> None:
     lens = torch.full((batch,), prefix + tail, dtype=torch.int32)
     scale = d**-0.5
     info: dict = {}
-    threads = torch.get_num_threads() if batch * h * (prefix + tail) * d > cpu_native.threaded_work() else 1
 
     def new(shared_prefix: bool) -> Callable[[], object]:
         return lambda: cpu_native.paged_decode(
@@ -205,7 +199,7 @@ def bench_shared_prefix(shape: str, dtype: torch.dtype, reps: int, old) -> None:
 
     fns = {"grouped": new(True), "ungrouped": new(False), "torch cascade": torch_cascade}
     if old is not None:
-        fns["old"] = lambda: old(q, k_cache, v_cache, lens, table, scale, threads)
+        fns["old"] = on(old, new(True))
     ms = compare(fns, reps)
     new(True)()
     print(
@@ -219,12 +213,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--reps", type=int, default=15)
-    parser.add_argument("--old-rev", default="6dfb6fa", help="git revision holding the previous cpu_decode.c")
+    parser.add_argument("--old-rev", default="HEAD", help="git revision of the kernels to compare with")
     parser.add_argument("--quick", action="store_true", help="the demo model's shapes only")
+    parser.add_argument("--cold", action="store_true", help="decode: the pages come from memory, not the caches")
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
     torch.manual_seed(0)
-    old = old_kernel(opts.old_rev)
+    old = old_kernels(opts.old_rev)
+    flush = torch.empty(64 << 20, dtype=torch.uint8) if opts.cold else None
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, native ISA {cpu_native.best_isa()}, "
           f"block {BLOCK}, median ms per call of {opts.reps}")  # fmt: skip
     shapes = ["demo"] if opts.quick else list(SHAPES)
@@ -232,7 +228,7 @@ def main() -> None:
         for dtype in (torch.bfloat16, torch.float32):
             for batch in (1, 16, 64):
                 for context in (128, 512, 2048):
-                    bench_decode(shape, dtype, batch, context, old, opts.reps)
+                    bench_decode(shape, dtype, batch, context, old, opts.reps, flush)
     for shape in shapes:
         for dtype in (torch.bfloat16, torch.float32):
             bench_prefill(shape, dtype, "1 prompt x 512", [512], [512], opts.reps)
