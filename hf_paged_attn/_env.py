@@ -21,6 +21,7 @@ reason only the commands call ``freeze_heap``, once they are set up.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 import sys
@@ -103,7 +104,12 @@ def freeze_heap() -> int:
     way. Only processes that are ours call it (the server once it has loaded and compiled, a benchmark's client
     before its timed rounds): a frozen object is still freed when its last reference goes, but a reference cycle
     among frozen objects is never collected, which a library must not impose on its caller's process.
+
+    At exit the objects are unfrozen, so that the interpreter's last collection frees them: libraries bound with
+    nanobind (triton's, imported with torch) otherwise report each of theirs still alive as a leak on stderr.
     """
     gc.collect()
     gc.freeze()
+    atexit.unregister(gc.unfreeze)  # once, however often this is called
+    atexit.register(gc.unfreeze)
     return gc.get_freeze_count()
