@@ -12,9 +12,10 @@ rollouts so that a colocated trainer can use it, and takes it again before the n
 
 A CUDA-graph executor's graphs hold the old addresses of pages and weights: the engine closes its
 executor at wake (its graphs go; the decode steps capture new ones). CPU tensors come from glibc's malloc:
-a large one is usually ``mmap``-ed and unmapped when freed, but one served from a free chunk inside the heap
-(a process that once freed many tensors below glibc's mmap threshold, which rises up to 32 MiB as large
-blocks are freed, has such chunks) stays in memory when freed; ``trim_heap`` gives that back too.
+a large one is usually ``mmap``-ed and unmapped when freed, but malloc serves it from a free chunk inside its
+heap where it has one, and then it stays in memory when freed. A heap holds such chunks once tensors below the
+mmap threshold were freed (glibc raises the threshold up to 32 MiB as large blocks are freed; a CPU engine fixes
+it at 32 MiB and lets the heap keep 256 MiB, ``keep_freed_memory``); ``trim_heap`` gives them back.
 """
 
 from __future__ import annotations
