@@ -9,10 +9,11 @@ process, calls interleaved round-robin so that the machine's load falls on every
 * shared-prefix decode: 64 requests on one 512-token prefix, 32-token tails each, with and without the
   grouping (and the torch backend's own cascade, native off, for reference).
 
-    python benchmarks/cpu_attention.py [--threads N] [--reps R] [--old-rev REV] [--quick] [--cold]
+    python benchmarks/cpu_attention.py [--threads N] [--reps R] [--old-rev REV] [--quick] [--cold] [--isa ISA]
 
 ``--cold``: a 64 MiB buffer is written before every decode call, so that the pages come from memory as in an
 engine's step (each layer's pages are read once a step, and a step's layers together outgrow the caches).
+``--isa``: the old and new decode kernels of that instruction set (``avx2``, ``avx512``, ...), not the best.
 
 Shapes: the bundled demo model (H=4, H_kv=2, D=64), a 28M Llama (H=8, H_kv=4, D=64) and the 30M Llama of
 ``hf-paged-attn bench vllm`` (H=8, H_kv=2, D=64); block size 16.
@@ -111,7 +112,7 @@ def pages(batch: int, context: int, hk: int, d: int, dtype: torch.dtype) -> tupl
 
 def bench_decode(
     shape: str, dtype: torch.dtype, batch: int, context: int, old: ctypes.CDLL | None, reps: int,
-    flush: torch.Tensor | None,
+    flush: torch.Tensor | None, isa: str | None = None,
 ) -> None:  # fmt: skip
     h, hk, d = SHAPES[shape]
     k_cache, v_cache, table = pages(batch, context, hk, d, dtype)
@@ -124,9 +125,9 @@ def bench_decode(
             q, k_cache, v_cache, None, None, lens, table, scale, -1, 0.0, None, context, isa=isa
         )
 
-    fns = {"new": new(), "portable": new("portable")}
+    fns = {"new": new(isa), "portable": new("portable")}
     if old is not None:
-        fns["old"] = on(old, new())
+        fns["old"] = on(old, new(isa))
     ms = compare(fns, reps, flush)
     ratio = f"{ms['old'] / ms['new']:5.2f}x" if "old" in ms else "  -  "
     old_ms = ms.get("old", float("nan"))
@@ -216,6 +217,7 @@ def main() -> None:
     parser.add_argument("--old-rev", default="HEAD", help="git revision of the kernels to compare with")
     parser.add_argument("--quick", action="store_true", help="the demo model's shapes only")
     parser.add_argument("--cold", action="store_true", help="decode: the pages come from memory, not the caches")
+    parser.add_argument("--isa", default=None, help="decode: old and new kernels of this instruction set")
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
     torch.manual_seed(0)
@@ -228,7 +230,7 @@ def main() -> None:
         for dtype in (torch.bfloat16, torch.float32):
             for batch in (1, 16, 64):
                 for context in (128, 512, 2048):
-                    bench_decode(shape, dtype, batch, context, old, opts.reps, flush)
+                    bench_decode(shape, dtype, batch, context, old, opts.reps, flush, opts.isa)
     for shape in shapes:
         for dtype in (torch.bfloat16, torch.float32):
             bench_prefill(shape, dtype, "1 prompt x 512", [512], [512], opts.reps)

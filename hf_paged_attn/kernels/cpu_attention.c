@@ -514,7 +514,8 @@ static void rows_softmax_many(Rows *r, const Args *a, int64_t pos0, int64_t n, i
 /* GCC 12's dead-code elimination drops a loop of __builtin_prefetch (it has no effect the compiler sees). Into L2
  * (prefetcht1), not L1: a chunk's rows fetched into L1 (prefetcht0) evicted the rows the current chunk was reading
  * (32 keys x K and V per head are 16 KiB in fp32, half an L1); decode calls with their pages out of the caches ran
- * 1.1-2x faster on a Zen 4 EPYC (``python benchmarks/cpu_attention.py --cold``), 1.0-1.1x on pages in the caches. */
+ * 1.1-2x faster on a Zen 4 EPYC, 1.0-1.1x on pages in the caches (``python benchmarks/cpu_attention.py --cold
+ * --old-rev 692f436``: the kernels before against these). */
 #define PREFETCH(p) __asm__ volatile("prefetcht1 %0" : : "m"(*(const char *)(p)))
 #else
 #define PREFETCH(p) __builtin_prefetch((p), 0, 3)
