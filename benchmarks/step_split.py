@@ -1,7 +1,8 @@
 """Where a ``vs_vllm.py`` row's time goes in our engine, by kind of step: prompt steps (any step with a prompt
 token) and decode steps, each split into their wall time, the process's CPU time (2 threads: 2.0 is both cores
-busy), the time outside the forwards by part (the scheduler, the step's tensors, the sampler, the update), and,
-in one more run under ``torch.profiler``, the linears, the attention op and the rest.
+busy), the time outside the forwards by part (the scheduler, the step's tensors, the sampler, the update), the
+decode steps' attention kernel calls, and, in one more run under ``torch.profiler``, the linears, the attention op
+and the rest.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/step_split.py [--row random|demo] [--dtype float32] [--runs 3]
         [--no-profile]
@@ -83,6 +84,24 @@ def timed_host_parts(engine: object, spent: dict[str, float]) -> None:
     timed(engine.updater, "update", "update")
 
 
+def timed_decode_attention(spent: dict[str, float]) -> None:
+    """Wraps the compiled decode steps' attention (``attention._lean_decode``, each layer's call of the native
+    kernel) so that it adds its wall seconds to ``spent["decode attention"]``: the kernel's time inside the
+    forwards without the profiler's overhead."""
+    from hf_paged_attn.runtime.cpu import attention
+
+    call = attention._lean_decode
+
+    def wrapper(*args: object) -> object:
+        start = time.perf_counter()
+        try:
+            return call(*args)
+        finally:
+            spent["decode attention"] += time.perf_counter() - start
+
+    attention._lean_decode = wrapper
+
+
 def split_profile(events: list) -> dict[str, dict[str, float]]:
     """Seconds of each step kind's linears, attention and rest, from the profiler's events (wall time on the
     calling thread: an op's ``cpu_time_total`` is its span there, its OpenMP workers included)."""
@@ -131,9 +150,12 @@ def main(argv: list[str] | None = None) -> None:
     timed_steps(engine, record)
     host: dict[str, float] = defaultdict(float)  # part -> wall s outside the forwards
     timed_host_parts(engine, host)
+    kernel: dict[str, float] = defaultdict(float)  # part -> wall s inside the forwards
+    timed_decode_attention(kernel)
     for r in range(args.runs):
         totals.clear()
         host.clear()
+        kernel.clear()
         start, cpu = time.perf_counter(), time.process_time()
         run()
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu
@@ -146,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
             if steps:
                 print(f"  {kind:7s} steps {steps:4d}  wall {w:6.2f} s  CPU {c:6.2f} s  CPU/wall {c / w:4.2f}"
                       f"  idle core-s {args.threads * w - c:5.2f}")  # fmt: skip
+        print(f"  decode attention (the kernel's calls) {kernel['decode attention']:.3f} s")
     if args.no_profile:
         return
     engine.executor.execute = original
