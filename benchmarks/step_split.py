@@ -58,30 +58,33 @@ def timed_steps(engine: object, record: Callable[[str, float, float], None], lab
     engine.executor.execute = timed
 
 
+def add_wall_time(owner: object, attr: str, spent: dict[str, float], name: str) -> None:
+    """Wraps ``owner.attr`` (a function or method, looked up there at each call) so that every call adds its wall
+    seconds to ``spent[name]``."""
+    call = getattr(owner, attr)
+
+    def wrapper(*args: object, **kwargs: object) -> object:
+        start = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            spent[name] += time.perf_counter() - start
+
+    setattr(owner, attr, wrapper)
+
+
 def timed_host_parts(engine: object, spent: dict[str, float]) -> None:
     """Wraps the engine's host-side parts of a step (the scheduler, the step's tensors, the sampler, the update)
     so that each adds its wall seconds to ``spent[name]``: the time outside the forwards, part by part."""
     from hf_paged_attn.runtime import worker
-
-    def timed(owner: object, attr: str, name: str) -> None:
-        call = getattr(owner, attr)
-
-        def wrapper(*args: object, **kwargs: object) -> object:
-            start = time.perf_counter()
-            try:
-                return call(*args, **kwargs)
-            finally:
-                spent[name] += time.perf_counter() - start
-
-        setattr(owner, attr, wrapper)
-
-    timed(engine.scheduler, "schedule", "schedule")
-    timed(worker, "build_step", "build_step")  # the name worker.execute calls
-    timed(engine.worker.sampler, "sample", "sample")
     from hf_paged_attn.runtime.generation import sampling
 
-    timed(sampling, "row_argmax", "argmax")  # inside the sampler's time (greedy rows' tokens): shown, not added
-    timed(engine.updater, "update", "update")
+    add_wall_time(engine.scheduler, "schedule", spent, "schedule")
+    add_wall_time(worker, "build_step", spent, "build_step")  # the name worker.execute calls
+    add_wall_time(engine.worker.sampler, "sample", spent, "sample")
+    # inside the sampler's time (greedy rows' tokens): shown, not added
+    add_wall_time(sampling, "row_argmax", spent, "argmax")
+    add_wall_time(engine.updater, "update", spent, "update")
 
 
 def timed_decode_attention(spent: dict[str, float]) -> None:
@@ -90,16 +93,7 @@ def timed_decode_attention(spent: dict[str, float]) -> None:
     forwards without the profiler's overhead."""
     from hf_paged_attn.runtime.cpu import attention
 
-    call = attention._lean_decode
-
-    def wrapper(*args: object) -> object:
-        start = time.perf_counter()
-        try:
-            return call(*args)
-        finally:
-            spent["decode attention"] += time.perf_counter() - start
-
-    attention._lean_decode = wrapper
+    add_wall_time(attention, "_lean_decode", spent, "decode attention")
 
 
 def split_profile(events: list) -> dict[str, dict[str, float]]:
