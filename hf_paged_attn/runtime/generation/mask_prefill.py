@@ -9,97 +9,154 @@ since). A matcher is used by one thread at a time: nothing advances, rolls back 
 ``start`` and ``take`` (the sampler takes them first; the update that advances them runs after it).
 
 Filling the masks on a thread beside the forward instead was slower on two cores, where the forward takes both
-(docs/structured.md). The thread needs the GIL to begin, though, and the engine's Python holds it until the
-forward lets go: on the demo model (32 rows) the fill began a median 0.79 ms after ``start`` (p10 0.39, p90 0.91),
-the forward 0.47 ms after it, so most fills overlap the forward's start. Handing the thread the GIL at ``start``
-(waiting on an event it sets) began them after 0.15 ms but held the engine's thread that long: 0.88x the free
-throughput against 0.90x without, in one process.
+(docs/structured.md). The thread needs the GIL to begin, and each Python line it runs before llguidance's native
+call lets go of the GIL is a wait for the engine's thread (the next ``build_step`` took ~100 us more a step on the
+demo model). So ``start`` prepares the call whole (``GrammarCompiler.bitmask_filler``), and the thread is a plain
+loop over a queue, not a ``ThreadPoolExecutor`` (whose futures run Python under locks before and after each
+call). Handing the thread the GIL at ``start`` (waiting on an event it sets) began the fill sooner but held the
+engine's thread as long: 0.88x the free throughput against 0.90x without, in one process.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+import queue
+import threading
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from .structured import GrammarCompiler, Matcher, apply_bitmask, by_compiler
+from .structured import Matcher, apply_bitmask, by_compiler
 from .structured import mask_rows as structured_mask_rows
 
 
 @dataclass(frozen=True, slots=True)
-class Prefilled:
-    """One matcher's mask: row ``row`` of ``bitmask``, filled at the matcher's state (``num_tokens``, ``ended``)."""
+class FilledGroup:
+    """One compiler's matchers and their masks: row ``i`` of ``bitmask`` is ``matchers[i]``'s at ``states[i]``."""
 
-    matcher: Matcher
-    num_tokens: int
-    ended: bool
-    bitmask: torch.Tensor
-    row: int
+    matchers: tuple[Matcher, ...]
+    states: tuple[tuple[int, bool], ...]  # each matcher's (num_tokens, ended) when its mask was filled
+    bitmask: torch.Tensor  # [len(matchers), ceil(vocab / 32)] int32
 
-    def current(self, matcher: Matcher) -> bool:
-        """Whether the mask is ``matcher``'s as it is now."""
-        return matcher is self.matcher and matcher.num_tokens == self.num_tokens and matcher.ended == self.ended
+
+class Filled:
+    """The masks a fill made (``MaskPrefill.take``): which matchers have one, and whether it is still theirs."""
+
+    __slots__ = ("groups", "_rows")
+
+    def __init__(self, groups: Sequence[FilledGroup] = ()) -> None:
+        self.groups = tuple(groups)
+        self._rows: dict[int, tuple[FilledGroup, int]] | None = None  # id(matcher) -> (group, row), made when asked
+
+    def __len__(self) -> int:
+        return sum(len(g.matchers) for g in self.groups)
+
+    def row_of(self, matcher: Matcher) -> tuple[torch.Tensor, int] | None:
+        """(bitmask, row) of ``matcher``'s mask where it is the matcher's as it is now; else None."""
+        if self._rows is None:
+            self._rows = {id(m): (g, i) for g in self.groups for i, m in enumerate(g.matchers)}
+        found = self._rows.get(id(matcher))
+        if found is None:
+            return None
+        group, row = found
+        if group.matchers[row] is not matcher or group.states[row] != (matcher.num_tokens, matcher.ended):
+            return None
+        return group.bitmask, row
+
+
+NOTHING = Filled()
 
 
 class MaskPrefill:
     """Fills masks ahead on one thread of its own (made at the first ``start``)."""
 
     def __init__(self) -> None:
-        self._pool: ThreadPoolExecutor | None = None
-        self._pending: tuple[Future[None], dict[int, Prefilled]] | None = None
+        self._jobs: queue.SimpleQueue[list[Callable[[], None]] | None] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[bool] = queue.SimpleQueue()  # one entry a job: whether it filled
+        self._thread: threading.Thread | None = None
+        self._pending: Filled | None = None
 
     def start(self, matchers: Sequence[Matcher]) -> None:
         """Fill the masks of ``matchers`` (the next step's constrained requests) in the background."""
         self.take()  # one fill at a time (a step whose sampler took nothing left one running)
         if not matchers:
             return
-        jobs, masks = [], {}
-        for compiler, group, _ in by_compiler(matchers, range(len(matchers))):
+        groups, calls = [], []
+        first = matchers[0].compiler
+        if all(m.compiler is first for m in matchers):  # the usual step: one tokenizer's grammars
+            by = [(first, list(matchers), None)]
+        else:
+            by = by_compiler(matchers, range(len(matchers)))
+        for compiler, group, _ in by:
             bitmask = compiler.allocate_bitmask(len(group))  # [len(group), ceil(vocab / 32)] int32
-            jobs.append((compiler, group, bitmask))
-            for row, m in enumerate(group):
-                masks[id(m)] = Prefilled(m, m.num_tokens, m.ended, bitmask, row)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="hf-paged-masks")
-        self._pending = (self._pool.submit(_fill, jobs), masks)
+            calls.append(compiler.bitmask_filler(group, bitmask))
+            groups.append(FilledGroup(tuple(group), tuple((m.num_tokens, m.ended) for m in group), bitmask))
+        if self._thread is None:
+            self._thread = threading.Thread(target=_work, args=(self._jobs, self._done), name="hf-paged-masks",
+                                            daemon=True)  # fmt: skip
+            self._thread.start()
+            weakref.finalize(self, self._jobs.put, None)  # an engine dropped without close: the thread ends too
+        self._jobs.put(calls)
+        self._pending = Filled(groups)
 
-    def take(self) -> dict[int, Prefilled]:
-        """The masks filled since ``start`` (waiting for the fill to end), by ``id`` of their matcher; empty if
-        none was started or the fill failed (the sampler then fills every row itself)."""
+    def take(self) -> Filled:
+        """The masks filled since ``start`` (waiting for the fill to end); none if none was started or the fill
+        failed (the sampler then fills every row itself)."""
         if self._pending is None:
-            return {}
-        future, masks = self._pending
-        self._pending = None
-        try:
-            future.result()
-        except Exception:  # the sampler's own fill reports whatever is wrong with a matcher
-            return {}
-        return masks
+            return NOTHING
+        filled, self._pending = self._pending, None
+        return filled if self._done.get() else NOTHING
 
     def close(self) -> None:
         self.take()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+            self._thread = None
 
 
-def mask_rows(
-    logits: torch.Tensor, matchers: Sequence[Matcher], rows: Sequence[int], prefilled: dict[int, Prefilled]
-) -> None:
-    """``structured.mask_rows`` taking each matcher's mask from ``prefilled`` where it is current there, filling
-    the others' as it does."""
+def _work(jobs: queue.SimpleQueue, done: queue.SimpleQueue) -> None:
+    """The fill thread: each job's calls, then whether they all ran (an error is the sampler's to report: it fills
+    those rows itself)."""
+    while (calls := jobs.get()) is not None:
+        try:
+            _fill(calls)
+        except Exception:
+            done.put(False)
+        else:
+            done.put(True)
+
+
+def _fill(calls: list[Callable[[], None]]) -> None:
+    for call in calls:
+        call()
+
+
+def mask_rows(logits: torch.Tensor, matchers: Sequence[Matcher], rows: Sequence[int], filled: Filled | None) -> None:
+    """``structured.mask_rows`` taking each matcher's mask from ``filled`` where it is current there, filling
+    the others' as it does (all of them when ``filled`` is None)."""
+    filled = NOTHING if filled is None else filled
+    if len(filled.groups) == 1:  # the usual step: one compiler's masks, every one taken in the order filled
+        group = filled.groups[0]
+        if (
+            len(group.matchers) == len(matchers)
+            and all(a is b for a, b in zip(group.matchers, matchers))
+            and all(s == (m.num_tokens, m.ended) for s, m in zip(group.states, matchers))
+        ):  # fmt: skip
+            apply_bitmask(logits, group.bitmask, rows)
+            return
     rest_matchers, rest_rows = [], []
     by_bitmask: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}  # id -> (bitmask, its rows, logits rows)
     for matcher, row in zip(matchers, rows, strict=True):
-        mask = prefilled.get(id(matcher))
-        if mask is None or not mask.current(matcher):
+        found = filled.row_of(matcher)
+        if found is None:
             rest_matchers.append(matcher)
             rest_rows.append(row)
             continue
-        _, sources, targets = by_bitmask.setdefault(id(mask.bitmask), (mask.bitmask, [], []))
-        sources.append(mask.row)
+        bitmask, source = found
+        _, sources, targets = by_bitmask.setdefault(id(bitmask), (bitmask, [], []))
+        sources.append(source)
         targets.append(row)
     for bitmask, sources, targets in by_bitmask.values():
         if sources != list(range(bitmask.shape[0])):  # not every row, in order: [len(sources), words]
@@ -107,8 +164,3 @@ def mask_rows(
         apply_bitmask(logits, bitmask, targets)
     if rest_matchers:
         structured_mask_rows(logits, rest_matchers, rest_rows)
-
-
-def _fill(jobs: list[tuple[GrammarCompiler, list[Matcher], torch.Tensor]]) -> None:
-    for compiler, matchers, bitmask in jobs:
-        compiler.fill_bitmasks(matchers, bitmask)

@@ -94,7 +94,7 @@ class Sampler:
         then the rows of ``scored`` (``attention.step.prompt_scoring``). Read before the plan is
         committed (``num_computed_tokens``: each chunk's start)."""
         # before anything here copies a matcher (forks) or the update advances them
-        prefilled = self.masks.take() if self.masks is not None else {}
+        prefilled = self.masks.take() if self.masks is not None else None
         out = StepOutput()
         if self.history is None:
             self.history = TokenHistory(logits.device)

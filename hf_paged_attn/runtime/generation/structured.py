@@ -60,10 +60,11 @@ schemas close every object). A regex matches the whole output.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -344,11 +345,19 @@ class GrammarCompiler:
     def fill_bitmasks(self, matchers: Sequence[Matcher], bitmask: torch.Tensor) -> None:
         """Row ``i`` of ``bitmask`` gets ``matchers[i]``'s mask: all rows in one call, on the library's
         threads, with the GIL released. The same as ``matchers[i].fill_bitmask(bitmask, i)`` for each ``i``."""
+        self.bitmask_filler(matchers, bitmask)()
+
+    def bitmask_filler(self, matchers: Sequence[Matcher], bitmask: torch.Tensor) -> Callable[[], None]:
+        """``fill_bitmasks(matchers, bitmask)`` as a call prepared now (checks, arguments): run on another thread,
+        it runs no Python before the library's native call releases the GIL, so the thread that prepared it waits
+        less for the GIL (``mask_prefill.py``). The caller keeps ``bitmask`` alive until the call has run."""
         _check_bitmask(bitmask, len(matchers))
         if bitmask.shape[1] * 32 < self.vocab_size:
             raise ValueError(f"bitmask has {bitmask.shape[1]} words per row; vocab_size={self.vocab_size}")
         pairs = [(m._m, i) for i, m in enumerate(matchers)]
-        llguidance.torch.fill_next_token_bitmask_par(self._executor, pairs, bitmask)
+        # what llguidance.torch.fill_next_token_bitmask_par calls, after its checks (done above)
+        return functools.partial(self._executor.unsafe_compute_mask_ptr, pairs, bitmask.data_ptr(),
+                                 bitmask.shape[1] * 4, bitmask.shape[0])  # fmt: skip
 
     def mask_logits(self, logits: torch.Tensor, matchers: Sequence[Matcher], rows: Sequence[int] | None = None) -> None:
         """Set to ``-inf``, in place, the logits of the tokens each matcher forbids.

@@ -28,7 +28,12 @@ def test_prefilled_masks_equal_a_fill_now_and_stale_ones_are_filled_anew(compile
     prefill = MaskPrefill()
     prefill.start(matchers)
     prefilled = prefill.take()
-    assert len(prefilled) == len(matchers) and all(p.current(m) for m, p in zip(matchers, prefilled.values()))
+    assert len(prefilled) == len(matchers) and all(prefilled.row_of(m) is not None for m in matchers)
+    # in the order filled, every one: the step's usual case, applied whole
+    logits = torch.randn(len(matchers), VOCAB, generator=torch.Generator().manual_seed(2))
+    got = logits.clone()
+    mask_prefill.mask_rows(got, matchers, range(len(matchers)), prefilled)
+    assert torch.equal(got, masked(compiler, matchers, range(len(matchers)), logits))
     logits = torch.randn(len(matchers) + 3, VOCAB, generator=torch.Generator().manual_seed(0))
     rows = [2, 0, *range(3, len(matchers) + 1)]  # not the order they were filled in; row 1 unconstrained
     got = logits.clone()
@@ -38,7 +43,7 @@ def test_prefilled_masks_equal_a_fill_now_and_stale_ones_are_filled_anew(compile
     moved = next(m for m in matchers if not m.is_terminated())
     allowed = masked(compiler, [moved], [0], torch.zeros(1, VOCAB))[0]
     assert moved.accept(int(torch.nonzero(allowed == 0)[0]))
-    assert not prefilled[id(moved)].current(moved)
+    assert prefilled.row_of(moved) is None
     fresh = compiler.matcher(specs[0])
     both = [*matchers, fresh]
     rows = list(range(len(both)))
@@ -46,6 +51,10 @@ def test_prefilled_masks_equal_a_fill_now_and_stale_ones_are_filled_anew(compile
     got = logits.clone()
     mask_prefill.mask_rows(got, both, rows, prefilled)
     assert torch.equal(got, masked(compiler, both, rows, logits))
+    # every matcher in the order filled, one of them advanced since: not applied whole
+    got = logits[: len(matchers)].clone()
+    mask_prefill.mask_rows(got, matchers, range(len(matchers)), prefilled)
+    assert torch.equal(got, masked(compiler, matchers, range(len(matchers)), logits[: len(matchers)]))
     prefill.close()
 
 
@@ -58,6 +67,26 @@ def test_a_failed_fill_leaves_every_row_to_the_sampler(compiler, monkeypatch) ->
     monkeypatch.setattr(mask_prefill, "_fill", broken)
     prefill = MaskPrefill()
     prefill.start([matcher])
-    assert prefill.take() == {}
-    assert prefill.take() == {}  # nothing pending after a take
+    assert len(prefill.take()) == 0
+    assert len(prefill.take()) == 0  # nothing pending after a take
+    prefill.start([matcher])  # the thread goes on after a failed fill
+    assert len(prefill.take()) == 0
+    monkeypatch.undo()
+    prefill.start([matcher])
+    assert prefill.take().row_of(matcher) is not None
     prefill.close()
+
+
+def test_the_fill_thread_ends_with_its_prefill_dropped_unclosed(compiler) -> None:  # noqa: ANN001
+    import gc
+
+    prefill = MaskPrefill()
+    matcher = compiler.matcher(StructuredSpec(json=SCHEMAS["enum"]))
+    prefill.start([matcher])
+    assert prefill.take().row_of(matcher) is not None
+    thread = prefill._thread
+    assert thread.is_alive()
+    del prefill
+    gc.collect()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
