@@ -83,12 +83,7 @@ class MaskPrefill:
         if not matchers:
             return
         groups, calls = [], []
-        first = matchers[0].compiler
-        if all(m.compiler is first for m in matchers):  # the usual step: one tokenizer's grammars
-            by = [(first, list(matchers), None)]
-        else:
-            by = by_compiler(matchers, range(len(matchers)))
-        for compiler, group, _ in by:
+        for compiler, group, _ in by_compiler(matchers, range(len(matchers))):
             bitmask = compiler.allocate_bitmask(len(group))  # [len(group), ceil(vocab / 32)] int32
             calls.append(compiler.bitmask_filler(group, bitmask))
             groups.append(FilledGroup(tuple(group), tuple((m.num_tokens, m.ended) for m in group), bitmask))
@@ -122,7 +117,7 @@ def _work(jobs: queue.SimpleQueue, done: queue.SimpleQueue) -> None:
     while (calls := jobs.get()) is not None:
         try:
             _fill(calls)
-        except Exception:
+        except BaseException:  # whatever it was, ``take`` must get its answer, and the thread serve the next job
             done.put(False)
         else:
             done.put(True)

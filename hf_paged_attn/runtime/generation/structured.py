@@ -431,6 +431,9 @@ def by_compiler(
     matchers: Sequence[Matcher], rows: Sequence[int]
 ) -> list[tuple[GrammarCompiler, list[Matcher], list[int]]]:
     """``matchers`` (and their ``rows``) grouped by their compiler: (compiler, its matchers, their rows)."""
+    if matchers and len(rows) == len(matchers) and all(m.compiler is matchers[0].compiler for m in matchers):
+        # the usual step: one tokenizer's grammars
+        return [(matchers[0].compiler, list(matchers), list(rows))]
     groups: dict[int, tuple[GrammarCompiler, list[Matcher], list[int]]] = {}
     for matcher, row in zip(matchers, rows, strict=True):
         _, ms, rs = groups.setdefault(id(matcher.compiler), (matcher.compiler, [], []))
